@@ -1,0 +1,36 @@
+"""ckptfx: JAX-style rematerialization for PyTorch, with a split backward that replays once.
+
+Public names only; each lives in the module named after its idea (see DESIGN.md).
+"""
+
+from . import _compat
+from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
+from .frame import CheckpointError
+from .session import (
+    RecomputeHandle,
+    SessionStats,
+    clear_recompute_session,
+    recompute_handle,
+    recompute_handle_collector_ctx,
+    recompute_session_ctx,
+    recompute_session_stats,
+)
+
+_compat.import_npu()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "RecomputeHandle",
+    "SessionStats",
+    "checkpoint",
+    "checkpoint_wrapper",
+    "clear_recompute_session",
+    "noop_context_fn",
+    "recompute_handle",
+    "recompute_handle_collector_ctx",
+    "recompute_session_ctx",
+    "recompute_session_stats",
+    "unwrap_checkpoint",
+]

@@ -1,0 +1,94 @@
+"""Every private torch API ckptfx touches, in one place.
+
+A torch upgrade that moves one of these should need a change here only. Each name is
+looked up once, at import, and a missing one fails loudly with the torch version named.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Callable
+
+import torch
+
+TORCH_VERSION = torch.__version__
+
+
+def _require(owner: Any, name: str) -> Any:
+    try:
+        return getattr(owner, name)
+    except AttributeError:  # pragma: no cover - depends on the installed torch
+        raise ImportError(
+            f"ckptfx needs {getattr(owner, '__name__', owner)}.{name}, which torch "
+            f"{TORCH_VERSION} does not have; ckptfx supports torch>=2.9"
+        ) from None
+
+
+# Saved-tensor hooks, pushed and popped without the Python context-manager object
+# (the forward of every checkpoint call goes through here).
+push_saved_tensors_hooks: Callable[[Callable, Callable], None] = _require(
+    torch._C._autograd, "_push_saved_tensors_default_hooks"
+)
+pop_saved_tensors_hooks: Callable[[], None] = _require(
+    torch._C._autograd, "_pop_saved_tensors_default_hooks"
+)
+
+# A SavedVariable made by hand: packs the tensor under the hooks active now (so an inner
+# checkpoint's inputs become saved tensors of its parent) and unpacks through them.
+make_saved_tensor: Callable[..., Any] = _require(torch._C._autograd, "_make_saved_tensor")
+SavedTensor: type = _require(torch._C._autograd, "SavedTensor")
+
+# Backward identity: the GraphTask running now (-1 outside backward), torch's
+# GraphExecGroup when the user opened one, and the autograd node being executed.
+current_graph_task_id: Callable[[], int] = _require(torch._C, "_current_graph_task_id")
+get_graph_exec_group: Callable[[], Any] = _require(torch._C, "_get_graph_exec_group")
+current_autograd_node: Callable[[], Any] = _require(torch._C, "_current_autograd_node")
+
+
+def device_context_mode() -> Any:
+    """The innermost ``torch.device(...)`` context active now, or None."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode
+    return None
+
+
+def torch_function_depth() -> int:
+    """How many torch function modes are pushed on this thread."""
+    return torch._C._len_torch_function_stack()
+
+
+def has_function_modes() -> bool:
+    return bool(torch._C._len_torch_function_stack())
+
+
+def is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def saved_tensors_hooks_disabled_reason() -> str | None:
+    """Why pushing saved-tensor hooks would fail now (torch.func transforms), or None."""
+    try:
+        torch._C._autograd._saved_tensors_hooks_is_enabled  # noqa: B018
+    except AttributeError:  # pragma: no cover
+        return None
+    if torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return None
+    return "saved tensor hooks are disabled here (a torch.func transform is active)"
+
+
+def functorch_level() -> int:
+    """Nesting depth of active torch.func transforms (0 under plain autograd)."""
+    level = torch._C._functorch.maybe_current_level()
+    return 0 if level is None else level
+
+
+def import_npu() -> bool:
+    """Import torch_npu when it is installed (it registers the ``npu`` device)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    importlib.import_module("torch_npu")
+    return True

@@ -1,0 +1,62 @@
+"""``debug=True``: record the ops of the forward and of the replay, and show them on error."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, NoReturn
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_MARKERS = (os.sep + "torch" + os.sep, os.sep + "contextlib.py")
+
+
+def user_call_site(skip_dirs: tuple[str, ...] = ()) -> str:
+    """``file:line (function)`` of the innermost stack entry outside torch and ckptfx."""
+    for entry in reversed(traceback.extract_stack()):
+        name = entry.filename
+        if name.startswith(_PACKAGE_DIR) or any(m in name for m in _TORCH_MARKERS):
+            continue
+        if skip_dirs and name.startswith(skip_dirs):
+            continue
+        return f"{os.path.basename(name)}:{entry.lineno} ({entry.name})"
+    return "<unknown>"
+
+
+class OpLog(TorchDispatchMode):
+    """Records each ATen op with the user line that called it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __enter__(self) -> "OpLog":
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(f"{func}  at {user_call_site()}")
+        return func(*args, **(kwargs or {}))
+
+
+class DebugLogs:
+    """The forward and replay op logs of one checkpoint call."""
+
+    def __init__(self) -> None:
+        self.forward = OpLog()
+        self.replay = OpLog()
+
+    def contexts(self) -> tuple[Any, Any]:
+        return self.forward, self.replay
+
+    def raise_with_logs(self, err: Exception) -> NoReturn:
+        def fmt(log: OpLog) -> str:
+            return "\n".join(f"  {i:4d}  {op}" for i, op in enumerate(log.ops)) or "  (none)"
+
+        raise type(err)(
+            f"{err}\n\nOps of the original forward:\n{fmt(self.forward)}\n\n"
+            f"Ops of the replay:\n{fmt(self.replay)}\n\n"
+            "The first line where the two lists differ is where the block stopped running the "
+            "same ops (data-dependent control flow, global state, or randomness not captured)."
+        ) from err

@@ -1,0 +1,240 @@
+"""``ckptfx.checkpoint`` and ``ckptfx.checkpoint_wrapper``: torch's non-reentrant checkpoint,
+on ckptfx's own kernel (frame.py), so that sessions and prefire work for it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, TypeVar
+
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+from torch import nn
+
+from . import _compat
+from ._debug import DebugLogs
+from .frame import CheckpointError, Frame, tls, unpack_hook
+from .session import collect
+
+__all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
+
+# torch's own default, so ``context_fn is noop_context_fn`` holds for code written for torch.
+noop_context_fn = _torch_checkpoint.noop_context_fn
+
+_DETERMINISM_CHECKS = ("default", "none")
+
+
+def check_options(
+    *,
+    context_fn: Any = noop_context_fn,
+    determinism_check: Any = "default",
+    debug: Any = False,
+    preserve_rng_state: Any = True,
+    early_stop: Any = True,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the first bad checkpoint option."""
+    for name, value in (("debug", debug), ("preserve_rng_state", preserve_rng_state),
+                        ("early_stop", early_stop)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(
+            f"determinism_check must be one of {list(_DETERMINISM_CHECKS)}, "
+            f"got {determinism_check!r}"
+        )
+    if not callable(context_fn):
+        raise TypeError(
+            "context_fn must be a callable returning (forward_context, recompute_context), "
+            f"got {type(context_fn).__name__}"
+        )
+    if debug and context_fn is not noop_context_fn:
+        raise ValueError(
+            "debug=True records ops with its own contexts and cannot be combined with a custom "
+            "context_fn; drop one of them"
+        )
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = False,
+    context_fn: Callable[[], tuple[ContextManager, ContextManager]] = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Checkpoint a block: save only its inputs, replay it in backward to get the rest.
+
+    Same contract as ``torch.utils.checkpoint.checkpoint(function, *args,
+    use_reentrant=False, ...)``, on ckptfx's kernel:
+
+    - Each tensor autograd saves inside ``function`` is replaced by a holder; the first
+      unpack in a backward call replays ``function`` once for that call (its GraphTask) and
+      hands each replayed tensor out once. ``retain_graph=True`` backward replays again each
+      time. Inside ``ckptfx.recompute_session_ctx`` the replay is shared across backward
+      calls of the session instead (see ``ckptfx.session``).
+    - Nesting follows torch: an inner checkpoint owns its saved tensors, its inputs are saved
+      by the parent, and a replay starts as if no checkpoint were active.
+    - The replay restores the forward's CPU and accelerator RNG state (devices of positional
+      and keyword tensor arguments) and its autocast state, then puts the caller's RNG back.
+    - Under ``torch.no_grad``/``inference_mode`` the function just runs and nothing is saved.
+    - Under ``torch.compile`` the call is handed to torch's own checkpoint.
+
+    Args:
+        function: the block; called as ``function(*args, **kwargs)``. Outputs may be any
+            structure (tensors, dicts, lists, non-tensors).
+        use_reentrant: must be False (or None): ckptfx is non-reentrant only.
+        context_fn: returns ``(forward_ctx, recompute_ctx)``, entered around the forward and
+            each replay; ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
+            works as with torch.
+        determinism_check: ``"default"`` checks the count and the shape, dtype and device of
+            every tensor saved by the replay against the forward; ``"none"`` checks nothing.
+        debug: on a replay mismatch, add the forward's and the replay's op traces to the
+            error.
+        preserve_rng_state: restore RNG for the replay (needed for dropout parity).
+        early_stop: stop the replay once every saved tensor is recomputed. Per call (torch's
+            global ``set_checkpoint_early_stop`` does not change it); never changes a
+            gradient, because the stop waits for the op that saved the last tensor to finish.
+
+    Example::
+
+        import ckptfx
+        out = ckptfx.checkpoint(block, x, mask=mask)
+        out.sum().backward()
+    """
+    if use_reentrant:
+        raise ValueError(
+            "use_reentrant=True is not supported: ckptfx.checkpoint is non-reentrant only. "
+            "Pass use_reentrant=False (or omit it), or call torch.utils.checkpoint.checkpoint "
+            "for the reentrant variant."
+        )
+    if not callable(function):
+        raise TypeError(f"function must be callable, got {type(function).__name__}")
+    check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
+                  preserve_rng_state=preserve_rng_state, early_stop=early_stop)
+    if _compat.is_compiling():
+        return _torch_checkpoint.checkpoint(
+            function, *args, use_reentrant=False, context_fn=context_fn,
+            determinism_check=determinism_check, debug=debug,
+            preserve_rng_state=preserve_rng_state, early_stop=early_stop, **kwargs,
+        )
+    return run_checkpointed(function, args, kwargs, context_fn=context_fn,
+                            determinism_check=determinism_check, debug=debug,
+                            preserve_rng_state=preserve_rng_state, early_stop=early_stop)
+
+
+def run_checkpointed(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    context_fn: Callable[[], tuple[ContextManager, ContextManager]] = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+) -> Any:
+    """The forward of a checkpoint call, options already checked."""
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    if tls.scheduled_replay:
+        raise CheckpointError(
+            "ckptfx: a checkpoint was created while a block was being replayed for a recompute "
+            "session (prefire or session backward). Nested checkpoints are not supported under "
+            "scheduled recomputation in this version: checkpoint the outer block only, or run "
+            "this backward without a session."
+        )
+    logs = None
+    if debug:
+        logs = DebugLogs()
+        forward_ctx, recompute_ctx = logs.contexts()
+    else:
+        forward_ctx, recompute_ctx = context_fn()
+    frame = Frame(function, args, kwargs, preserve_rng_state=preserve_rng_state,
+                  determinism_check=determinism_check, early_stop=early_stop,
+                  recompute_ctx=recompute_ctx, debug=logs)
+    suppressed = True
+    _compat.push_saved_tensors_hooks(frame.pack, unpack_hook)
+    try:
+        with forward_ctx:
+            out = function(*args, **kwargs)
+            suppressed = False
+    finally:
+        _compat.pop_saved_tensors_hooks()
+    if suppressed:
+        raise RuntimeError(
+            "ckptfx.checkpoint: the forward context from context_fn suppressed an exception "
+            "raised by the checkpointed function; checkpoint has no output to return for a "
+            "failed forward."
+        )
+    frame.forward_done = True
+    collect(frame)
+    return out
+
+
+# -- checkpoint_wrapper ---------------------------------------------------------------------
+
+M = TypeVar("M", bound=nn.Module)
+_WRAPPED_CLASSES: dict[type, type] = {}
+
+
+class _CheckpointedModule:
+    """Mixin of the classes made by ``checkpoint_wrapper``."""
+
+    _ckptfx_options: dict[str, Any]
+    _ckptfx_original_class: type
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self._ckptfx_original_class.forward.__get__(self)
+        options = self._ckptfx_options
+        if _compat.is_compiling():
+            return _torch_checkpoint.checkpoint(inner, *args, use_reentrant=False, **options,
+                                                **kwargs)
+        return run_checkpointed(inner, args, kwargs, **options)
+
+
+def _wrapped_class(cls: type) -> type:
+    sub = _WRAPPED_CLASSES.get(cls)
+    if sub is None:
+        sub = type(f"Checkpointed{cls.__name__}", (_CheckpointedModule, cls),
+                   {"_ckptfx_original_class": cls, "__module__": cls.__module__})
+        _WRAPPED_CLASSES[cls] = sub
+    return sub
+
+
+def checkpoint_wrapper(module: M, **checkpoint_kwargs: Any) -> M:
+    """Make ``module``'s forward run under ``ckptfx.checkpoint``; returns the same module.
+
+    The module is changed in place (its class becomes a subclass of its own class, as
+    ``torch.nn.utils.parametrize`` does), so parameter names, ``state_dict`` keys, hooks and
+    ``isinstance`` checks are all unchanged. ``checkpoint_kwargs`` are the keyword options of
+    ``ckptfx.checkpoint`` (``context_fn``, ``determinism_check``, ``debug``,
+    ``preserve_rng_state``, ``early_stop``). Calling it again updates the options.
+    ``unwrap_checkpoint(module)`` restores the plain module.
+
+    Example::
+
+        for i, block in enumerate(model.blocks):
+            ckptfx.checkpoint_wrapper(block)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    unknown = set(checkpoint_kwargs) - {"context_fn", "determinism_check", "debug",
+                                        "preserve_rng_state", "early_stop", "use_reentrant"}
+    if unknown:
+        raise TypeError(f"checkpoint_wrapper got unknown checkpoint options {sorted(unknown)}")
+    if checkpoint_kwargs.pop("use_reentrant", False):
+        raise ValueError("use_reentrant=True is not supported: ckptfx is non-reentrant only")
+    check_options(**checkpoint_kwargs)
+    if not isinstance(module, _CheckpointedModule):
+        module.__class__ = _wrapped_class(type(module))
+    module._ckptfx_options = dict(checkpoint_kwargs)
+    return module
+
+
+def unwrap_checkpoint(module: M) -> M:
+    """Undo ``checkpoint_wrapper`` in place; returns the same module."""
+    if isinstance(module, _CheckpointedModule):
+        module.__class__ = module._ckptfx_original_class
+        del module._ckptfx_options
+    return module

@@ -1,0 +1,329 @@
+"""Frames and holders: the checkpoint kernel.
+
+Rules (the invariants the code below keeps; read these before changing it)
+
+1. A ``Frame`` is one forward call of a checkpointed block. Every tensor autograd saves
+   inside the block is packed into a ``Holder`` (frame + position); the tensor itself is
+   dropped. The frame keeps the block's inputs (as saved tensors, so an inner checkpoint's
+   inputs are saved tensors of its parent), the replay environment and a weak reference
+   to each holder. Holders keep the frame alive; nothing keeps a holder alive but the graph,
+   so a freed graph frees the frame and everything it cached.
+
+2. Unpacking a holder looks up the frame's replay for a *key* and hands out the tensor at
+   the holder's position. The key is the session of the activation the control plane bound
+   to the frame (``frame.active``), else torch's GraphExecGroup, else the GraphTask id.
+   Outside backward (id -1) the replay is made for that one unpack and dropped.
+
+3. A replay is made at most once per key: the first unpack under a key replays the block and
+   fills a list with every tensor whose holder is still alive. Under a GraphTask key each
+   tensor is handed out once and dropped (a second unpack is an error, as in torch). Under a
+   session key the activation decides: ``retain`` keeps it for later consumers.
+
+4. The unpack hook is the hot path. It reads attributes and one or two of torch's thread
+   state getters; it takes no lock and reads no ContextVar or registry. Everything else
+   (discovering a session, replaying, errors) is on the slow path, once per frame and key.
+
+5. A replay runs as the forward ran (``ReplayEnv``: RNG, autocast, device context), starts as
+   if no checkpoint were active (a nested checkpoint met during replay makes a new frame,
+   as in torch), and is checked against the forward: the same number of saved tensors, and
+   by default the same shape, dtype and device for each. A mismatch is a ``CheckpointError``;
+   a replay never hands out a tensor it cannot vouch for.
+
+6. Early stop ends the replay once the last saved tensor exists, but only after the op that
+   saved it has finished: an op may save a buffer and fill it afterwards (``rrelu_with_noise``
+   does). The stop is armed at the last pack and fires at the next torch call the block
+   makes, which is necessarily after that op returned.
+
+7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
+   a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
+   and checks are the frame's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Callable, Hashable
+
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+from torch.overrides import TorchFunctionMode
+
+from . import _compat
+from ._env import ReplayEnv
+
+__all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
+
+
+class CheckpointError(_torch_checkpoint.CheckpointError):
+    """A checkpointed block could not be replayed faithfully, or was used in a way ckptfx
+    cannot support. Subclass of ``torch.utils.checkpoint.CheckpointError``."""
+
+
+DEBUG_TIP = (
+    "Tip: pass debug=True to ckptfx.checkpoint to see the ops of the forward and of the "
+    "replay side by side."
+)
+
+# Thread state read on the slow path only:
+#   activation        the session context opened on this thread (see session.py)
+#   scheduled_replay  True while this thread replays a frame for a session
+class _ThreadState(threading.local):
+    activation: Any = None
+    scheduled_replay: bool = False
+
+
+tls = _ThreadState()
+
+
+class _Stop(Exception):
+    """Raised inside the block to end a replay early (Rule 6)."""
+
+
+class _StopAtNextCall(TorchFunctionMode):
+    # Pushed at the last pack; the next torch call the block makes ends the replay.
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        raise _Stop
+
+
+class Holder:
+    """What autograd stores in place of a saved tensor: its frame and its position."""
+
+    __slots__ = ("frame", "index", "__weakref__")
+
+    def __init__(self, frame: "Frame", index: int) -> None:
+        self.frame = frame
+        self.index = index
+
+
+Replay = list  # position -> replayed tensor, None once handed out (or if its holder died)
+
+
+class Frame:
+    """One forward call of a checkpointed block (see the Rules above)."""
+
+    __slots__ = (
+        "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
+        "recompute_ctx", "debug", "replays", "active", "session",
+        "forward_done", "ignore_count", "__weakref__",
+    )
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        preserve_rng_state: bool = True,
+        determinism_check: str = "default",
+        early_stop: bool = True,
+        recompute_ctx: Any = None,
+        debug: Any = None,
+    ) -> None:
+        self.fn = fn
+        # Saved under the hooks active now: the parent frame's, when nested.
+        self.inputs = [
+            _compat.make_saved_tensor(a, is_output=False) if isinstance(a, torch.Tensor) else a
+            for a in args
+        ]
+        self.kwargs = kwargs
+        self.env = ReplayEnv(
+            (*args, *kwargs.values()) if kwargs else args, preserve_rng_state
+        )
+        self.rerun: Callable[[Frame, Replay], None] = rerun_function
+        self.holders: list[weakref.ref[Holder]] = []
+        self.metas: list[tuple[Any, ...]] | None = [] if determinism_check == "default" else None
+        self.early_stop = early_stop
+        self.recompute_ctx = recompute_ctx
+        self.debug = debug
+        self.replays: dict[Hashable, Replay | None] = {}
+        self.active: Any = None  # bound by session.py; read by unpack_hook
+        self.session: Any = None  # the one session registered on this frame, if any
+        self.forward_done = False
+        self.ignore_count = False
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def pack(self, x: torch.Tensor) -> Holder:
+        holder = Holder(self, len(self.holders))
+        self.holders.append(weakref.ref(holder))
+        if self.metas is not None:
+            self.metas.append((x.shape, x.dtype, x.device))
+        return holder
+
+    def saved_inputs(self) -> list[Any]:
+        return [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.inputs]
+
+    # -- backward --------------------------------------------------------------------------
+
+    def replay(self, key: Hashable, *, store: bool = True, scheduled: bool = False) -> Replay:
+        """Replay the block for ``key`` and return its tensors (Rules 3 and 5)."""
+        tensors: Replay = [None] * len(self.holders)
+        outer = tls.scheduled_replay
+        tls.scheduled_replay = scheduled
+        try:
+            self.rerun(self, tensors)
+        except CheckpointError as err:
+            if self.debug is not None:
+                self.debug.raise_with_logs(err)
+            raise
+        finally:
+            tls.scheduled_replay = outer
+        if store:
+            self.replays[key] = tensors
+        return tensors
+
+    def unpack_slow(self, holder: Holder) -> torch.Tensor:
+        """Everything the hot path does not do: session discovery, replay, errors."""
+        act = self.active
+        if act is None and tls.activation is not None:
+            act = tls.activation.adopt(self)
+        if act is not None:
+            replay = self.replays.get(act.session)
+            if replay is None:
+                replay = self.replay(act.session, scheduled=True)
+            return _take(replay, holder.index, act.retain, act)
+        key = _compat.get_graph_exec_group()
+        if key is None:
+            key = _compat.current_graph_task_id()
+            if key == -1:  # outside backward: a replay for this one unpack
+                return self.replay(None, store=False)[holder.index]
+        replay = self.replays.get(key)
+        if replay is None:
+            replay = self.replay(key)
+        return _take(replay, holder.index, False, None)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+        return f"<ckptfx Frame of {name}: {len(self.holders)} saved tensors>"
+
+
+def unpack_hook(holder: Holder) -> torch.Tensor:
+    """The saved-tensor unpack hook of every frame: the hot path (Rule 4)."""
+    frame = holder.frame
+    act = frame.active
+    if act is not None:
+        replay = frame.replays.get(act.session)
+        if replay is not None:
+            t = replay[holder.index]
+            if t is not None:
+                if not act.retain:
+                    replay[holder.index] = None
+                return t
+    else:
+        key = _compat.get_graph_exec_group()
+        replay = frame.replays.get(_compat.current_graph_task_id() if key is None else key)
+        if replay is not None:
+            t = replay[holder.index]
+            if t is not None:
+                replay[holder.index] = None
+                return t
+    return frame.unpack_slow(holder)
+
+
+def _take(replay: Replay, index: int, retain: bool, act: Any) -> torch.Tensor:
+    t = replay[index]
+    if t is None:
+        if act is None:
+            raise CheckpointError(
+                "ckptfx.checkpoint: a saved tensor is being unpacked a second time in the same "
+                "backward call. Each replayed tensor is handed out once per backward; if a custom "
+                "autograd.Function reads ctx.saved_tensors twice, read it once."
+            )
+        raise CheckpointError(
+            f"ckptfx: saved tensor {index} of this block was already handed out and dropped by "
+            f"recompute session {act.session.id!r} (a consumer ran with retain_on_unpack=False). "
+            "Use retain_on_unpack=True for every backward call except the last one of the session."
+        )
+    if not retain:
+        replay[index] = None
+    return t
+
+
+# -- the default replay strategy: run the Python function again --------------------------
+
+
+class _Recorder:
+    """Pack hook of a replay: files each saved tensor at its position and checks it."""
+
+    __slots__ = ("frame", "tensors", "count", "stop_at", "fn_modes", "stopper")
+
+    def __init__(self, frame: Frame, tensors: Replay) -> None:
+        self.frame = frame
+        self.tensors = tensors
+        self.count = 0
+        n = len(tensors)
+        self.stop_at = n if frame.early_stop and n else -1
+        self.fn_modes = 0
+        self.stopper: _StopAtNextCall | None = None
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        frame = self.frame
+        i = self.count
+        self.count = i + 1
+        if x.requires_grad:
+            x = x.detach()
+        if i >= len(self.tensors):
+            if not frame.forward_done:
+                # Backward inside the block during its own forward: the replay may see more
+                # than the forward had saved when it was triggered (torch's Rule 6).
+                frame.ignore_count = True
+                return x
+            raise CheckpointError(
+                "ckptfx.checkpoint: the replay saved more tensors than the original forward "
+                f"({len(frame.holders)}). The block must run the same ops when replayed.\n"
+                + DEBUG_TIP
+            )
+        if frame.holders[i]() is not None:
+            self.tensors[i] = x
+        metas = frame.metas
+        if metas is not None:
+            meta = (x.shape, x.dtype, x.device)
+            if metas[i] != meta:
+                raise CheckpointError(
+                    "ckptfx.checkpoint: the replay saved a tensor with different metadata than "
+                    f"the original forward.\ntensor at position {i}:\n"
+                    f"  forward:  shape={tuple(metas[i][0])} dtype={metas[i][1]} "
+                    f"device={metas[i][2]}\n"
+                    f"  replay:   shape={tuple(x.shape)} dtype={x.dtype} device={x.device}\n"
+                    + DEBUG_TIP
+                )
+        if self.count == self.stop_at and _compat.torch_function_depth() == self.fn_modes:
+            self.stopper = _StopAtNextCall()
+            self.stopper.__enter__()
+        return x
+
+    def disarm(self) -> None:
+        stopper, self.stopper = self.stopper, None
+        if stopper is not None and _compat.torch_function_depth() == self.fn_modes + 1:
+            stopper.__exit__(None, None, None)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def rerun_function(frame: Frame, tensors: Replay) -> None:
+    """Replay strategy: run the block's Python function again under a recording hook."""
+    rec = _Recorder(frame, tensors)
+    args = frame.saved_inputs()
+    ctx = frame.recompute_ctx if frame.recompute_ctx is not None else contextlib.nullcontext()
+    _compat.push_saved_tensors_hooks(rec.pack, _identity)
+    try:
+        with torch.enable_grad(), frame.env.restored(), ctx:
+            rec.fn_modes = _compat.torch_function_depth()
+            try:
+                frame.fn(*args, **frame.kwargs)
+            except _Stop:
+                pass
+            finally:
+                rec.disarm()
+    finally:
+        _compat.pop_saved_tensors_hooks()
+    if not frame.ignore_count and frame.forward_done and rec.count != len(tensors):
+        raise CheckpointError(
+            "ckptfx.checkpoint: a different number of tensors was saved during the original "
+            f"forward ({len(tensors)}) and the replay ({rec.count}). The block must run the "
+            "same ops when replayed.\n" + DEBUG_TIP
+        )

@@ -1,0 +1,348 @@
+"""Scheduled recomputation: the control plane over the frames.
+
+Rules
+
+1. A *session* is a key the scheduler chooses (any hashable but None), typically one per
+   micro-batch and stage. Under a session every frame is replayed at most once, however many
+   backward calls (dx, one dw per parameter group) read it; the replay is cached on the frame
+   under the session until the last consumer takes it or the session is cleared.
+
+2. A frame is *registered* to at most one session at a time (``frame.session``): by a prefire
+   (``recompute_handle``), or when a backward inside ``recompute_session_ctx`` on this thread
+   first unpacks it (lazy discovery). A second session on the same frame is an error until the
+   first is cleared.
+
+3. ``recompute_session_ctx`` *binds* an ``Activation`` (session + retain flag) to every frame of
+   the session (``frame.active``) and unbinds on exit. The unpack hook reads only that
+   attribute, so the backward finds the session on any thread, including autograd's device
+   threads that never saw the caller's context. Frames discovered lazily are bound when found.
+
+4. Register, bind, unbind and clear happen under one ``RLock``; the unpack hook never takes it.
+
+5. Nothing here keeps memory alive on its own. The registry holds sessions weakly; a frame holds
+   its session. A session never cleared disappears with its frames (when their graph is freed);
+   ``clear_recompute_session`` drops every cached tensor, binding and registration at once, is
+   idempotent, and ignores unknown ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import threading
+import weakref
+from typing import Any, Hashable, Iterator
+
+from .frame import CheckpointError, Frame, tls
+
+__all__ = [
+    "RecomputeHandle",
+    "SessionStats",
+    "clear_recompute_session",
+    "recompute_handle",
+    "recompute_handle_collector_ctx",
+    "recompute_session_ctx",
+    "recompute_session_stats",
+]
+
+_lock = threading.RLock()
+_registry: "weakref.WeakValueDictionary[Hashable, Session]" = weakref.WeakValueDictionary()
+_collector: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "ckptfx_collector", default=None
+)
+
+
+class Session:
+    """The frames of one session id (held weakly) and whether it has been cleared."""
+
+    __slots__ = ("id", "frames", "cleared", "__weakref__")
+
+    def __init__(self, session_id: Hashable) -> None:
+        self.id = session_id
+        self.frames: weakref.WeakSet[Frame] = weakref.WeakSet()
+        self.cleared = False
+
+    def __repr__(self) -> str:
+        return f"<ckptfx Session {self.id!r}: {len(self.frames)} frames>"
+
+
+class Activation:
+    """What ``recompute_session_ctx`` binds to a frame: the session and the retain flag."""
+
+    __slots__ = ("session", "retain")
+
+    def __init__(self, session: Session, retain: bool) -> None:
+        self.session = session
+        self.retain = retain
+
+    def adopt(self, frame: Frame) -> "Activation | None":
+        """Lazy discovery (Rule 2): register and bind a frame first unpacked in this context."""
+        with _lock:
+            if self.session.cleared:
+                return None
+            _register(frame, self.session)
+            _bind(frame, self)
+        return self
+
+
+class RecomputeHandle:
+    """An opaque reference to one checkpointed call, from ``recompute_handle_collector_ctx``.
+
+    It holds its frame weakly: once the graph of that call is freed the handle is inert.
+    """
+
+    __slots__ = ("_frame",)
+
+    def __init__(self, frame: Frame) -> None:
+        self._frame = weakref.ref(frame)
+
+    @property
+    def frame(self) -> Frame | None:
+        return self._frame()
+
+    def __repr__(self) -> str:
+        frame = self._frame()
+        return f"<RecomputeHandle {'(freed)' if frame is None else frame!r}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionStats:
+    """What one live session holds: ``frames`` registered, ``replayed`` of them replayed,
+    ``tensors`` cached replayed tensors and their ``nbytes`` (shared storages counted once)."""
+
+    session_id: Hashable
+    frames: int
+    replayed: int
+    tensors: int
+    nbytes: int
+
+
+# -- collector ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def recompute_handle_collector_ctx() -> Iterator[list[RecomputeHandle]]:
+    """Collect a ``RecomputeHandle`` for each checkpointed call made in this scope.
+
+    Every frame created by ``ckptfx.checkpoint`` or ``ckptfx.remat`` inside the ``with`` block
+    (on this thread or task) whose forward completed with grad enabled is appended to the
+    yielded list; the innermost collector gets it. A forward that raised, or ran without grad,
+    adds nothing.
+
+    Example::
+
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            out = model(x)
+        for h in handles:
+            ckptfx.recompute_handle(h, session_id=("stage0", mb))
+    """
+    handles: list[RecomputeHandle] = []
+    token = _collector.set(handles)
+    try:
+        yield handles
+    finally:
+        _collector.reset(token)
+
+
+def collect(frame: Frame) -> None:
+    """Called by the kernel when a frame's forward completed."""
+    handles = _collector.get()
+    if handles is not None:
+        handles.append(RecomputeHandle(frame))
+
+
+# -- sessions -------------------------------------------------------------------------------
+
+
+def _check_session_id(session_id: Any) -> None:
+    if session_id is None:
+        raise ValueError("session_id must be a hashable key (an int, str or tuple), got None")
+    try:
+        hash(session_id)
+    except TypeError:
+        raise ValueError(
+            f"session_id must be hashable, got an unhashable {type(session_id).__name__}"
+        ) from None
+
+
+def _session(session_id: Hashable) -> Session:
+    session = _registry.get(session_id)
+    if session is None:
+        session = Session(session_id)
+        _registry[session_id] = session
+    return session
+
+
+def _register(frame: Frame, session: Session) -> None:
+    current = frame.session
+    if current is session:
+        return
+    if current is not None:
+        raise CheckpointError(
+            f"ckptfx: {frame!r} is registered to recompute session {current.id!r} and cannot "
+            f"be used by session {session.id!r} at the same time. Call "
+            f"ckptfx.clear_recompute_session({current.id!r}) when its backward is done."
+        )
+    frame.session = session
+    session.frames.add(frame)
+
+
+def _bind(frame: Frame, act: Activation) -> None:
+    current = frame.active
+    if current is not None and current.session is not act.session:
+        raise CheckpointError(
+            f"ckptfx: {frame!r} is bound to recompute session {current.session.id!r} and "
+            f"session {act.session.id!r} tried to bind it at the same time. One frame serves "
+            "one session at a time: finish (and clear) the first before opening the second."
+        )
+    frame.active = act
+
+
+@contextlib.contextmanager
+def recompute_session_ctx(session_id: Hashable, retain_on_unpack: bool = False) -> Iterator[None]:
+    """Run backward calls of one session: every frame they read is replayed once for it.
+
+    Inside the block, backward calls that unpack tensors of the session's frames use the
+    session's cache: frames prefired with ``recompute_handle`` hand out their replay; frames
+    not prefired are replayed at their first unpack and registered to the session (this lazy
+    discovery happens on this thread and autograd's worker threads; to run the backward from
+    another thread of your own, prefire or register the handles first).
+
+    Args:
+        session_id: any hashable key but None, e.g. ``(stage, microbatch)``.
+        retain_on_unpack: keep each replayed tensor after handing it out, for later backward
+            calls of the same session (dx, and every dw group but the last). False (default)
+            hands it out and drops it: use it for the last consumer.
+
+    Sessions do not nest on one thread. Always finish with ``clear_recompute_session`` in a
+    ``finally``.
+
+    Example (zero-bubble split of one micro-batch)::
+
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            out = stage(x)
+        try:
+            for h in handles:
+                ckptfx.recompute_handle(h, sid)              # prefire: replay now
+            with ckptfx.recompute_session_ctx(sid, retain_on_unpack=True):
+                dx = torch.autograd.grad(out, x, g, retain_graph=True)
+            with ckptfx.recompute_session_ctx(sid, retain_on_unpack=False):
+                dw = torch.autograd.grad(out, params, g)
+        finally:
+            ckptfx.clear_recompute_session(sid)
+    """
+    _check_session_id(session_id)
+    if not isinstance(retain_on_unpack, bool):
+        raise ValueError(
+            f"retain_on_unpack must be a bool, got {type(retain_on_unpack).__name__}"
+        )
+    outer = tls.activation
+    if outer is not None:
+        raise CheckpointError(
+            f"ckptfx: recompute_session_ctx({session_id!r}) opened inside "
+            f"recompute_session_ctx({outer.session.id!r}) on the same thread; session "
+            "contexts do not nest. Close the first before opening the next."
+        )
+    with _lock:
+        session = _session(session_id)
+        act = Activation(session, retain_on_unpack)
+        try:
+            for frame in list(session.frames):
+                _bind(frame, act)
+        except BaseException:
+            _unbind(session, act)
+            raise
+    tls.activation = act
+    try:
+        yield
+    finally:
+        tls.activation = None
+        with _lock:
+            _unbind(session, act)
+
+
+def _unbind(session: Session, act: Activation) -> None:
+    for frame in list(session.frames):
+        if frame.active is act:
+            frame.active = None
+
+
+def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
+    """Prefire: register the handle's frame to ``session_id`` and replay it now.
+
+    The replay runs on the calling thread, in the forward's RNG and autocast state (the
+    caller's RNG is left where it was), and is cached on the frame for the session, to be
+    read by the session's backward calls inside ``recompute_session_ctx``. A frame already
+    replayed for this session is not replayed again; a handle whose graph was freed does
+    nothing. If the replay raises, the session can be cleared (or the prefire retried).
+    """
+    if not isinstance(handle, RecomputeHandle):
+        raise ValueError(
+            "handle must be a RecomputeHandle from ckptfx.recompute_handle_collector_ctx(), "
+            f"got {type(handle).__name__}"
+        )
+    _check_session_id(session_id)
+    frame = handle.frame
+    if frame is None:
+        return
+    with _lock:
+        session = _session(session_id)
+        active = frame.active
+        if active is not None and active.session is not session:
+            raise CheckpointError(
+                f"ckptfx: cannot prefire {frame!r} for session {session_id!r}: it is bound to "
+                f"session {active.session.id!r} right now."
+            )
+        _register(frame, session)
+    if frame.replays.get(session) is None:
+        frame.replay(session, scheduled=True)
+
+
+def clear_recompute_session(session_id: Hashable) -> None:
+    """Drop everything the session holds: cached replays, registrations and bindings.
+
+    Idempotent; an unknown id is a no-op. Call it in a ``finally`` after the session's last
+    backward (or when abandoning a micro-batch); afterwards the frames work natively again and
+    may join a new session.
+    """
+    _check_session_id(session_id)
+    with _lock:
+        session = _registry.pop(session_id, None)
+        if session is None:
+            return
+        session.cleared = True
+        for frame in list(session.frames):
+            frame.replays.pop(session, None)
+            if frame.session is session:
+                frame.session = None
+            if frame.active is not None and frame.active.session is session:
+                frame.active = None
+        session.frames.clear()
+
+
+def recompute_session_stats() -> dict[Hashable, SessionStats]:
+    """Per live session: its frames and the replayed tensors (and bytes) it holds now.
+
+    A scheduler reads this to see what a retained replay costs between dx and dw.
+    """
+    out: dict[Hashable, SessionStats] = {}
+    with _lock:
+        for session_id, session in list(_registry.items()):
+            frames = list(session.frames)
+            storages: dict[int, int] = {}
+            tensors = replayed = 0
+            for frame in frames:
+                replay = frame.replays.get(session)
+                if replay is None:
+                    continue
+                replayed += 1
+                for t in replay:
+                    if t is not None:
+                        tensors += 1
+                        st = t.untyped_storage()
+                        storages[st.data_ptr()] = st.nbytes()
+            out[session_id] = SessionStats(
+                session_id, len(frames), replayed, tensors, sum(storages.values())
+            )
+    return out
