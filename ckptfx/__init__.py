@@ -6,6 +6,9 @@ Public names only; each lives in the module named after its idea (see DESIGN.md)
 from . import _compat
 from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
 from .frame import CheckpointError
+from .policies import Offload, checkpoint_name, checkpoint_policies
+from .remat import remat
+from .residuals import Residual, print_saved_residuals, saved_residuals
 from .session import (
     RecomputeHandle,
     SessionStats,
@@ -15,6 +18,7 @@ from .session import (
     recompute_session_ctx,
     recompute_session_stats,
 )
+from .split import grad_split, vjp_split
 
 _compat.import_npu()
 
@@ -22,6 +26,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "Offload",
+    "Residual",
+    "checkpoint_name",
+    "checkpoint_policies",
+    "print_saved_residuals",
+    "remat",
+    "saved_residuals",
     "RecomputeHandle",
     "SessionStats",
     "checkpoint",
@@ -33,4 +44,6 @@ __all__ = [
     "recompute_session_ctx",
     "recompute_session_stats",
     "unwrap_checkpoint",
+    "grad_split",
+    "vjp_split",
 ]

@@ -113,14 +113,25 @@ def checkpoint(
     check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
                   preserve_rng_state=preserve_rng_state, early_stop=early_stop)
     if _compat.is_compiling():
-        return _torch_checkpoint.checkpoint(
-            function, *args, use_reentrant=False, context_fn=context_fn,
-            determinism_check=determinism_check, debug=debug,
-            preserve_rng_state=preserve_rng_state, early_stop=early_stop, **kwargs,
-        )
+        return torch_fallback(function, args, kwargs, context_fn=context_fn,
+                              determinism_check=determinism_check, debug=debug,
+                              preserve_rng_state=preserve_rng_state, early_stop=early_stop)
     return run_checkpointed(function, args, kwargs, context_fn=context_fn,
                             determinism_check=determinism_check, debug=debug,
                             preserve_rng_state=preserve_rng_state, early_stop=early_stop)
+
+
+def torch_fallback(function: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any], **options: Any) -> Any:
+    """Hand the call to torch's checkpoint (under ``torch.compile``, which traces that one).
+
+    ``context_fn`` is passed only when it is not the default: dynamo refuses an explicit
+    ``noop_context_fn`` ("checkpoint not implemented for SkipFunctionVariable context_fn").
+    """
+    if options.get("context_fn", noop_context_fn) is noop_context_fn:
+        options.pop("context_fn", None)
+    return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **options,
+                                        **kwargs)
 
 
 def run_checkpointed(
@@ -188,8 +199,7 @@ class _CheckpointedModule:
         inner = self._ckptfx_original_class.forward.__get__(self)
         options = self._ckptfx_options
         if _compat.is_compiling():
-            return _torch_checkpoint.checkpoint(inner, *args, use_reentrant=False, **options,
-                                                **kwargs)
+            return torch_fallback(inner, args, kwargs, **options)
         return run_checkpointed(inner, args, kwargs, **options)
 
 

@@ -183,7 +183,10 @@ class Frame:
             replay = self.replays.get(act.session)
             if replay is None:
                 replay = self.replay(act.session, scheduled=True)
-            return _take(replay, holder.index, act.retain, act)
+            t = _take(replay, holder.index, act.retain, act)
+            if act.retain and act.log is not None:
+                act.log.append((holder, _compat.current_autograd_node()))
+            return t
         key = _compat.get_graph_exec_group()
         if key is None:
             key = _compat.current_graph_task_id()
@@ -210,6 +213,8 @@ def unpack_hook(holder: Holder) -> torch.Tensor:
             if t is not None:
                 if not act.retain:
                     replay[holder.index] = None
+                elif act.log is not None:
+                    act.log.append((holder, _compat.current_autograd_node()))
                 return t
     else:
         key = _compat.get_graph_exec_group()

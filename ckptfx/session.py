@@ -56,12 +56,16 @@ _collector: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 class Session:
     """The frames of one session id (held weakly) and whether it has been cleared."""
 
-    __slots__ = ("id", "frames", "cleared", "__weakref__")
+    __slots__ = ("id", "frames", "cleared", "act", "__weakref__")
 
     def __init__(self, session_id: Hashable) -> None:
         self.id = session_id
         self.frames: weakref.WeakSet[Frame] = weakref.WeakSet()
         self.cleared = False
+        # The activation of the recompute_session_ctx open for this session now, if any, so
+        # that a frame prefired inside the context is bound at once (Rule 3): worker threads
+        # cannot discover it lazily.
+        self.act: "Activation | None" = None
 
     def __repr__(self) -> str:
         return f"<ckptfx Session {self.id!r}: {len(self.frames)} frames>"
@@ -70,11 +74,14 @@ class Session:
 class Activation:
     """What ``recompute_session_ctx`` binds to a frame: the session and the retain flag."""
 
-    __slots__ = ("session", "retain")
+    __slots__ = ("session", "retain", "log")
 
     def __init__(self, session: Session, retain: bool) -> None:
         self.session = session
         self.retain = retain
+        # Set by the split transforms during a dx pass (retain only): the unpack hook appends
+        # (holder, autograd node) so the weight pass can keep just what it reads.
+        self.log: list | None = None
 
     def adopt(self, frame: Frame) -> "Activation | None":
         """Lazy discovery (Rule 2): register and bind a frame first unpacked in this context."""
@@ -253,12 +260,15 @@ def recompute_session_ctx(session_id: Hashable, retain_on_unpack: bool = False) 
         except BaseException:
             _unbind(session, act)
             raise
+        session.act = act
     tls.activation = act
     try:
         yield
     finally:
         tls.activation = None
         with _lock:
+            if session.act is act:
+                session.act = None
             _unbind(session, act)
 
 
@@ -287,14 +297,22 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
     if frame is None:
         return
     with _lock:
-        session = _session(session_id)
-        active = frame.active
-        if active is not None and active.session is not session:
-            raise CheckpointError(
-                f"ckptfx: cannot prefire {frame!r} for session {session_id!r}: it is bound to "
-                f"session {active.session.id!r} right now."
-            )
-        _register(frame, session)
+        existing = _registry.get(session_id)
+        session = existing if existing is not None else _session(session_id)
+        try:
+            active = frame.active
+            if active is not None and active.session is not session:
+                raise CheckpointError(
+                    f"ckptfx: cannot prefire {frame!r} for session {session_id!r}: it is bound "
+                    f"to session {active.session.id!r} right now."
+                )
+            _register(frame, session)
+            if session.act is not None:  # prefired inside the session's open context
+                _bind(frame, session.act)
+        except BaseException:
+            if existing is None:  # a rejected prefire leaves no session behind
+                _registry.pop(session_id, None)
+            raise
     if frame.replays.get(session) is None:
         frame.replay(session, scheduled=True)
 

@@ -1,0 +1,209 @@
+"""Benchmark: ``ckptfx.checkpoint`` against ``torch.utils.checkpoint`` and no checkpoint.
+
+Two measurements, each reported as ratios between variants measured in the same run:
+
+1. A stack of checkpointed transformer blocks: forward+backward time (median over repeats,
+   the variants alternated) and peak memory over one step (CPU: the rise of ``VmHWM`` from
+   ``/proc/self/status`` after resetting it through ``/proc/self/clear_refs``; CUDA:
+   ``max_memory_allocated``).
+2. Per-call forward overhead of one checkpoint call on tiny tensors, in microseconds, and
+   the same for a forward+backward.
+
+The target of issue 2: ckptfx's step time within 1.05x of torch's checkpoint at equal memory.
+
+Usage::
+
+    python benchmarks/bench_checkpoint.py            # 6 blocks, d=256, seq 128, batch 8
+    python benchmarks/bench_checkpoint.py --quick    # a smaller, faster run
+
+The script re-executes itself with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors go
+back to the OS and the peak memory reading means something.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+if __name__ == "__main__" and os.environ.get(MMAP_ENV) != "65536":
+    os.environ[MMAP_ENV] = "65536"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+import torch  # noqa: E402  (after the re-exec: the allocator reads the variable at start)
+import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
+from torch import nn  # noqa: E402
+
+import ckptfx  # noqa: E402
+
+VARIANTS = ("none", "torch", "ckptfx")
+
+
+def checkpoint_call(variant: str) -> Callable[..., torch.Tensor]:
+    """``call(fn, x)`` for a variant: run ``fn(x)`` plainly or under a checkpoint."""
+    if variant == "none":
+        return lambda fn, x: fn(x)
+    if variant == "torch":
+        return lambda fn, x: torch_checkpoint.checkpoint(fn, x, use_reentrant=False)
+    return lambda fn, x: ckptfx.checkpoint(fn, x)
+
+
+def make_stack(blocks: int, d: int, device: str) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.TransformerEncoderLayer(d, nhead=max(1, d // 64), dim_feedforward=4 * d,
+                                   dropout=0.1, batch_first=True, norm_first=True)
+        for _ in range(blocks)
+    ).to(device).train()
+
+
+def step(stack: nn.ModuleList, x: torch.Tensor, variant: str) -> None:
+    call = checkpoint_call(variant)
+    h = x
+    for block in stack:
+        h = call(block, h)
+    h.sum().backward()
+    for p in stack.parameters():
+        p.grad = None
+    x.grad = None
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        torch.get_device_module(device).synchronize()
+
+
+def time_steps(stack, x, repeats: int, device: str) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(repeats):
+        # Alternate the order too, so no variant always runs right after the same one.
+        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        for variant in order:
+            sync(device)
+            t0 = time.perf_counter()
+            step(stack, x, variant)
+            sync(device)
+            times[variant].append(time.perf_counter() - t0)
+    return times
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_bytes(stack, x, variant: str, device: str) -> int:
+    """Memory the step needs above what was allocated before it (peak minus baseline)."""
+    gc.collect()
+    if device == "cpu":
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        base = _status_kib("VmHWM")
+        step(stack, x, variant)
+        return (_status_kib("VmHWM") - base) * 1024
+    mod = torch.get_device_module(device)
+    sync(device)
+    mod.reset_peak_memory_stats()
+    base = mod.memory_allocated()
+    step(stack, x, variant)
+    sync(device)
+    return mod.max_memory_allocated() - base
+
+
+def per_call_overhead(calls: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Microseconds per checkpoint call on a tiny tensor: forward only, and forward+backward."""
+    x = torch.randn(4, requires_grad=True)
+    fn = torch.sin  # saves its input: one holder per call
+    result: dict[str, dict[str, float]] = {}
+    samples = {(v, k): [] for v in VARIANTS for k in ("forward", "forward+backward")}
+    for r in range(repeats):
+        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        for variant in order:
+            call = checkpoint_call(variant)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call(fn, x)
+            samples[(variant, "forward")].append((time.perf_counter() - t0) / calls * 1e6)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call(fn, x).sum().backward()
+            samples[(variant, "forward+backward")].append(
+                (time.perf_counter() - t0) / calls * 1e6)
+    for (variant, kind), values in samples.items():
+        result.setdefault(variant, {})[kind] = statistics.median(values)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--d", type=int, default=256, help="model width")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=15, help="timed steps per variant")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per overhead sample")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.blocks, args.d, args.seq, args.batch = 3, 64, 32, 4
+        args.repeats, args.calls = 5, 300
+    torch.set_num_threads(args.threads)
+
+    print(f"torch {torch.__version__}, ckptfx {ckptfx.__version__}, device {args.device}, "
+          f"{torch.get_num_threads()} thread(s), {MMAP_ENV}={os.environ.get(MMAP_ENV)}")
+    print(f"stack: {args.blocks} TransformerEncoderLayer blocks, d={args.d}, seq={args.seq}, "
+          f"batch={args.batch}, dropout 0.1; {args.repeats} alternated repeats")
+
+    stack = make_stack(args.blocks, args.d, args.device)
+    x = torch.randn(args.batch, args.seq, args.d, device=args.device, requires_grad=True)
+    for variant in VARIANTS:  # warm-up (allocator, lazy init)
+        step(stack, x, variant)
+
+    times = time_steps(stack, x, args.repeats, args.device)
+    med = {v: statistics.median(t) for v, t in times.items()}
+    peaks = {v: [] for v in VARIANTS}
+    for r in range(3):
+        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            peaks[variant].append(peak_bytes(stack, x, variant, args.device))
+    peak = {v: statistics.median(p) for v, p in peaks.items()}
+
+    print("\nforward+backward of the stack")
+    print(f"  {'variant':8s} {'median ms':>10s} {'min ms':>8s} {'peak MiB':>9s}")
+    for v in VARIANTS:
+        print(f"  {v:8s} {med[v] * 1e3:10.2f} {min(times[v]) * 1e3:8.2f} "
+              f"{peak[v] / 2**20:9.1f}")
+    print(f"  time   ckptfx/torch = {med['ckptfx'] / med['torch']:.3f}   "
+          f"ckptfx/none = {med['ckptfx'] / med['none']:.3f}   "
+          f"torch/none = {med['torch'] / med['none']:.3f}")
+    print(f"  memory ckptfx/torch = {peak['ckptfx'] / max(peak['torch'], 1):.3f}   "
+          f"ckptfx/none = {peak['ckptfx'] / max(peak['none'], 1):.3f}   "
+          f"torch/none = {peak['torch'] / max(peak['none'], 1):.3f}")
+    verdict = "met" if med["ckptfx"] / med["torch"] <= 1.05 else "NOT met"
+    print(f"  target (time within 1.05x of torch at equal memory): {verdict}")
+
+    overhead = per_call_overhead(args.calls, args.repeats)
+    print(f"\nper-call overhead, torch.sin on a 4-element tensor ({args.calls} calls x "
+          f"{args.repeats} alternated repeats, median us per call)")
+    print(f"  {'variant':8s} {'forward':>9s} {'fwd+bwd':>9s}")
+    for v in VARIANTS:
+        print(f"  {v:8s} {overhead[v]['forward']:9.2f} {overhead[v]['forward+backward']:9.2f}")
+    for kind in ("forward", "forward+backward"):
+        ck, ref, plain = (overhead[v][kind] for v in ("ckptfx", "torch", "none"))
+        # The second ratio leaves out the cost of the op itself: checkpointing cost only.
+        print(f"  {kind:16s} ckptfx/torch = {ck / ref:.3f}   "
+              f"checkpoint cost ckptfx/torch = {(ck - plain) / (ref - plain):.3f}")
+
+
+if __name__ == "__main__":
+    main()

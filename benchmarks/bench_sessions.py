@@ -1,0 +1,203 @@
+"""Benchmark: a zero-bubble split step over checkpointed blocks, ckptfx sessions vs torch.
+
+One step = forward of a stack of checkpointed MLP blocks, then dx
+(``autograd.grad(out, x, retain_graph=True)``), then one ``autograd.grad`` per parameter
+(dw split per parameter group, as torch.distributed.pipelining does). Variants, all timed in
+the same run, alternated, medians reported as ratios to no checkpointing:
+
+- ``none``    no checkpointing (the baseline)
+- ``torch``   torch.utils.checkpoint(use_reentrant=False): one replay per backward call
+- ``ckptfx``  ckptfx.checkpoint with a recompute session: collector, prefire, dx under
+              retain_on_unpack=True, dw under retain=True (last group: False), clear
+
+Block runs are counted by a counter inside the block and reported per block per step.
+It also times the forward overhead of one checkpoint call (ckptfx vs torch) on a tiny block.
+
+Usage::
+
+    python benchmarks/bench_sessions.py            # full
+    python benchmarks/bench_sessions.py --quick    # a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as tcp
+
+import ckptfx
+
+
+class MLPBlock(nn.Module):
+    """x + fc2(gelu(fc1(x))); ``runs`` counts forward calls (forward and replays)."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def split_backward(out: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
+                   g: torch.Tensor, session: object | None) -> None:
+    """dx, then one dw call per parameter; under ``session`` if given."""
+    if session is None:
+        torch.autograd.grad(out, x, g, retain_graph=True)
+        for p in params[:-1]:
+            torch.autograd.grad(out, p, g, retain_graph=True)
+        torch.autograd.grad(out, params[-1], g)
+        return
+    with ckptfx.recompute_session_ctx(session, retain_on_unpack=True):
+        torch.autograd.grad(out, x, g, retain_graph=True)
+        for p in params[:-1]:
+            torch.autograd.grad(out, p, g, retain_graph=True)
+    with ckptfx.recompute_session_ctx(session, retain_on_unpack=False):
+        torch.autograd.grad(out, params[-1], g)
+
+
+def make_step(variant: str, blocks: list[MLPBlock], x: torch.Tensor,
+              g: torch.Tensor) -> Callable[[], None]:
+    params = [p for b in blocks for p in b.parameters()]
+
+    def step_none() -> None:
+        h = x
+        for b in blocks:
+            h = b(h)
+        split_backward(h, x, params, g, None)
+
+    def step_torch() -> None:
+        h = x
+        for b in blocks:
+            h = tcp.checkpoint(b, h, use_reentrant=False)
+        split_backward(h, x, params, g, None)
+
+    def step_ckptfx() -> None:
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            h = x
+            for b in blocks:
+                h = ckptfx.checkpoint(b, h)
+        try:
+            for hd in handles:
+                ckptfx.recompute_handle(hd, "mb")
+            split_backward(h, x, params, g, "mb")
+        finally:
+            ckptfx.clear_recompute_session("mb")
+
+    def step_ckptfx_lazy() -> None:
+        h = x
+        for b in blocks:
+            h = ckptfx.checkpoint(b, h)
+        try:
+            split_backward(h, x, params, g, "mb")
+        finally:
+            ckptfx.clear_recompute_session("mb")
+
+    return {"none": step_none, "torch": step_torch, "ckptfx": step_ckptfx,
+            "ckptfx-lazy": step_ckptfx_lazy}[variant]
+
+
+VARIANTS = ("none", "torch", "ckptfx", "ckptfx-lazy")
+
+
+def bench_split(d: int, hidden: int, batch: int, nblocks: int, rounds: int,
+                inner: int) -> dict[str, tuple[float, float]]:
+    """Median seconds per step and block runs per block per step, for each variant."""
+    torch.manual_seed(0)
+    blocks = [MLPBlock(d, hidden) for _ in range(nblocks)]
+    x = torch.randn(batch, d, requires_grad=True)
+    g = torch.randn(batch, d)
+    steps = {v: make_step(v, blocks, x, g) for v in VARIANTS}
+    runs: dict[str, float] = {}
+    for v, step in steps.items():  # warm up, and count runs on one step
+        step()
+        for b in blocks:
+            b.runs = 0
+        step()
+        runs[v] = sum(b.runs for b in blocks) / nblocks
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]  # alternate
+        for v in order:
+            step = steps[v]
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                step()
+            times[v].append((time.perf_counter() - t0) / inner)
+    return {v: (statistics.median(times[v]), runs[v]) for v in VARIANTS}
+
+
+def _tiny(t: torch.Tensor) -> torch.Tensor:
+    return t.sin()
+
+
+def bench_forward_overhead(rounds: int, inner: int) -> dict[str, float]:
+    """Median microseconds per forward call: plain, torch checkpoint, ckptfx checkpoint."""
+    x = torch.randn(4, requires_grad=True)
+    calls: dict[str, Callable[[], object]] = {
+        "plain": lambda: _tiny(x),
+        "torch": lambda: tcp.checkpoint(_tiny, x, use_reentrant=False),
+        "ckptfx": lambda: ckptfx.checkpoint(_tiny, x),
+    }
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for fn in calls.values():
+        for _ in range(inner):
+            fn()
+    for r in range(rounds):
+        order = list(calls) if r % 2 == 0 else list(calls)[::-1]
+        for k in order:
+            fn = calls[k]
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[k].append((time.perf_counter() - t0) / inner * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds (smoke run)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    quick = args.quick
+    print(f"torch {torch.__version__}, ckptfx {ckptfx.__version__}, 1 thread"
+          + (", --quick" if quick else ""))
+
+    configs = [
+        ("small", dict(d=64, hidden=256, batch=8), 30 if not quick else 5, 20 if not quick else 5),
+        ("large", dict(d=512, hidden=2048, batch=64), 15 if not quick else 3, 2 if not quick else 1),
+    ]
+    nblocks = 6
+    for name, shape, rounds, inner in configs:
+        rounds = args.rounds or rounds
+        res = bench_split(nblocks=nblocks, rounds=rounds, inner=inner, **shape)
+        base = res["none"][0]
+        print(f"\nsplit step, {nblocks} MLP blocks {name} {shape}, dx + one dw call per "
+              f"parameter ({4 * nblocks}); median of {rounds}x{inner} steps")
+        print(f"  {'variant':12s} {'ms/step':>9s} {'vs none':>8s} {'runs/block':>11s}")
+        for v in VARIANTS:
+            t, runs = res[v]
+            print(f"  {v:12s} {t * 1e3:9.3f} {t / base:7.3f}x {runs:11.1f}")
+
+    rounds, inner = (5, 200) if quick else (31, 2000)
+    ov = bench_forward_overhead(rounds, inner)
+    print(f"\nforward of one checkpoint call on a tiny block (sin of 4 floats), median of "
+          f"{rounds}x{inner} calls")
+    for k, us in ov.items():
+        extra = "" if k == "plain" else f"   overhead {us - ov['plain']:6.1f} us"
+        print(f"  {k:8s} {us:7.1f} us/call{extra}")
+    print(f"  ckptfx overhead / torch overhead: "
+          f"{(ov['ckptfx'] - ov['plain']) / (ov['torch'] - ov['plain']):.2f}")
+
+
+if __name__ == "__main__":
+    main()

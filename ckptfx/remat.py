@@ -1,0 +1,233 @@
+"""``ckptfx.remat``: JAX-style rematerialization of a pure block, chosen by policy.
+
+Each call of a remat'd function is one kernel ``Frame`` (so collectors, prefire, sessions,
+``grad_split`` and the GraphTask fallback work unchanged) whose forward runs under a
+``Tracer`` (trace.py): the policy decides per op what the backward keeps, and the replay
+rebuilds only what was not kept, from the recorded ops, or by re-running the function when
+the recording cannot be shown faithful.
+
+Nesting rule (differs from JAX, where the outer policy wins): each remat'd block's own policy
+decides what that block keeps; an inner block's inputs are values of the outer block, kept
+or recomputed under the outer policy. This is torch's nesting rule for checkpoints, and it
+keeps a block's memory behaviour the same wherever it is called from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Sequence, TypeVar
+
+import optree
+import torch
+
+from . import _compat
+from .frame import CheckpointError, Frame, tls
+from .session import collect
+from .trace import Tracer, reporting, residual_unpack_hook
+
+__all__ = ["remat"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass(frozen=True)
+class RematOptions:
+    policy: Any
+    early_stop: bool
+    static_argnums: tuple[int, ...]
+    static_argnames: frozenset[str]
+
+
+def remat(
+    fun: F | None = None,
+    *,
+    policy: Callable[..., Any] | None = None,
+    early_stop: bool = True,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+) -> Any:
+    """Make ``fun`` rematerialize: keep only what ``policy`` allows, recompute the rest.
+
+    ``fun`` takes and returns pytrees (dicts, lists, tuples, namedtuples, registered
+    dataclasses) of tensors and Python values. Use it as ``@remat``, ``@remat(policy=...)``,
+    on ``nn.Module.forward`` methods, and under ``torch.func.functional_call``.
+
+    Args:
+        fun: the block. Must be a function of its arguments (parameters it reads from a
+            module or a closure are fine; they must not be modified in place between forward
+            and backward).
+        policy: a ``ckptfx.checkpoint_policies`` policy, or any torch selective-checkpoint
+            policy function ``(ctx, op, *args, **kwargs) -> bool | CheckpointPolicy``.
+            ``None`` (default) keeps nothing but the inputs the backward needs.
+        early_stop: when the block must be re-run as a Python function (see trace.py), stop
+            once every needed tensor exists (never changes a gradient).
+        static_argnums / static_argnames: positional indices / keyword names of arguments
+            that are Python values baked into the recording (never tensors).
+
+    Example::
+
+        import ckptfx
+        from ckptfx import checkpoint_policies as cp
+
+        @ckptfx.remat(policy=cp.dots_saveable)
+        def block(params, x):
+            h = torch.relu(x @ params["w1"])
+            return h @ params["w2"]
+
+        loss = block(params, x).sum()
+        loss.backward()                      # relu recomputed from the kept matmul output
+        ckptfx.print_saved_residuals(block, params, x)
+    """
+    if policy is not None and not callable(policy):
+        raise TypeError(
+            f"policy must be a checkpoint policy (a callable) or None, got {type(policy).__name__}"
+        )
+    if not isinstance(early_stop, bool):
+        raise TypeError(f"early_stop must be a bool, got {type(early_stop).__name__}")
+    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    for n in nums:
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise TypeError(f"static_argnums must be ints, got {n!r}")
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"static_argnames must be strings, got {n!r}")
+    options = RematOptions(policy, early_stop, nums, frozenset(names))
+    if fun is None:
+        return functools.partial(_decorate, options=options)
+    return _decorate(fun, options=options)
+
+
+def _decorate(fun: F, *, options: RematOptions) -> F:
+    if not callable(fun):
+        raise TypeError(f"remat needs a callable, got {type(fun).__name__}")
+    _check_static_against_signature(fun, options)
+
+    @functools.wraps(fun)
+    def remat_call(*args: Any, **kwargs: Any) -> Any:
+        return call(fun, options, args, kwargs)
+
+    remat_call.__ckptfx_remat__ = (fun, options)  # type: ignore[attr-defined]
+    return remat_call  # type: ignore[return-value]
+
+
+def _check_static_against_signature(fun: Callable[..., Any], options: RematOptions) -> None:
+    if not options.static_argnums:
+        return
+    try:
+        params = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    for i in options.static_argnums:
+        if not -n <= i < n:
+            raise ValueError(
+                f"static_argnums {i} is out of range for {getattr(fun, '__name__', fun)} "
+                f"with {n} positional parameters"
+            )
+
+
+def _split_static(options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[tuple[Any, ...], dict[str, Any], dict[int, Any], dict[str, Any]]:
+    static_pos: dict[int, Any] = {}
+    for i in options.static_argnums:
+        if not -len(args) <= i < len(args):
+            raise ValueError(f"static_argnums {i} is out of range for a call with "
+                             f"{len(args)} positional arguments")
+        j = i % len(args)
+        if isinstance(args[j], torch.Tensor):
+            raise ValueError(f"static_argnums {i} points at a tensor; static arguments must "
+                             "be Python values (pass tensors as ordinary arguments)")
+        static_pos[j] = args[j]
+    static_kw = {}
+    for k in options.static_argnames:
+        if k in kwargs:
+            if isinstance(kwargs[k], torch.Tensor):
+                raise ValueError(f"static_argnames {k!r} points at a tensor; static arguments "
+                                 "must be Python values")
+            static_kw[k] = kwargs[k]
+    if static_pos:
+        args = tuple(None if i in static_pos else a for i, a in enumerate(args))
+    if static_kw:
+        kwargs = {k: v for k, v in kwargs.items() if k not in static_kw}
+    return args, kwargs, static_pos, static_kw
+
+
+def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
+         kwargs: dict[str, Any]) -> Any:
+    """One remat call: flatten, trace under a new frame, return the outputs."""
+    dyn_args, dyn_kwargs, static_pos, static_kw = _split_static(options, args, kwargs)
+    if not torch.is_grad_enabled():
+        return fun(*args, **kwargs)
+    if _compat.functorch_level() > 0:
+        # torch.func transforms disable saved-tensor hooks; the torch.func path (func.py)
+        # is not built yet, so the block runs plainly: exact gradients, no memory saving.
+        return fun(*args, **kwargs)
+    if tls.scheduled_replay:
+        raise CheckpointError(
+            "ckptfx.remat: a remat'd block was called while a block was being replayed for a "
+            "recompute session. Nested blocks replayed by re-running their function are not "
+            "supported under scheduled recomputation in this version."
+        )
+    leaves, spec = optree.tree_flatten((dyn_args, dyn_kwargs), none_is_leaf=True)
+    positions = [j for j, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[j] for j in positions]
+    for j in positions:
+        leaves[j] = None  # the frame owns the tensors (saved inputs); the closure must not
+
+    def flat_fun(*ts: torch.Tensor) -> Any:
+        filled = list(leaves)
+        for j, t in zip(positions, ts):
+            filled[j] = t
+        a, k = optree.tree_unflatten(spec, filled)
+        if static_pos:
+            a = tuple(static_pos.get(i, v) for i, v in enumerate(a))
+        if static_kw:
+            k = {**k, **static_kw}
+        return fun(*a, **k)
+
+    flat_fun.__qualname__ = getattr(fun, "__qualname__", "remat")
+    frame = Frame(flat_fun, tuple(tensors), {}, early_stop=options.early_stop)
+    names = argument_names(fun, dyn_args, dyn_kwargs) if reporting() else None
+    tracer = Tracer(frame, tensors, options.policy, names)
+    _compat.push_saved_tensors_hooks(tracer.pack, residual_unpack_hook)
+    try:
+        with tracer:
+            out = flat_fun(*tensors)
+    finally:
+        _compat.pop_saved_tensors_hooks()
+    tracer.finish()
+    frame.forward_done = True
+    collect(frame)
+    return out
+
+
+def unwrap(fun: Callable[..., Any]) -> tuple[Callable[..., Any], RematOptions] | None:
+    """The function and options behind a remat'd function, or None for a plain one."""
+    return getattr(fun, "__ckptfx_remat__", None)
+
+
+def argument_names(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> list[str]:
+    """A readable name per tensor leaf, in flattening order: ``params['w1']``, ``x``."""
+    try:
+        params = [p.name for p in inspect.signature(fun).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    paths, leaves, _ = optree.tree_flatten_with_path((args, kwargs), none_is_leaf=True)
+    names = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        where, key, *rest = path
+        if where == 0:
+            head = params[key] if key < len(params) else f"args[{key}]"
+        else:
+            head = str(key)
+        names.append(head + "".join(f"[{k!r}]" for k in rest))
+    return names

@@ -1,0 +1,852 @@
+"""``vjp_split`` and ``grad_split``: the input-gradient pass (dx) and the weight-gradient pass
+(dw) of one backward as two functions that share one replay of every checkpointed block.
+
+Rules
+
+1. The forward runs once, when the split is made, under a handle collector. The split owns the
+   autograd graph: the outputs it returns are detached (like ``jax.vjp``'s primal output), so
+   the graph lives exactly as long as the split has work to do.
+
+2. dx prefires the session (unless a scheduler already did, ``dx_fn.prefire()``), then runs one
+   ``autograd.grad`` for the inputs under ``recompute_session_ctx(key, retain_on_unpack=True)``.
+   Pre-hooks on the *intermediate* nodes (the nodes of the input path from which a weight path
+   leaves) capture the gradients flowing into them. The engine computes only the edges it
+   needs, so dx does only the input half of each node that has both.
+
+3. dw runs one ``autograd.grad`` per parameter group, rooted at the intermediates with the
+   captured gradients (and at outputs that do not depend on the inputs, with their cotangent),
+   so it executes only weight-gradient ops. dx + dw do the work of one fused backward (shared
+   weights used by several intermediates are the exception: their group re-runs the input ops
+   between those intermediates, as torch's split does).
+
+4. Between dx and dw the session keeps only the replayed tensors dw will read: during dx the
+   unpack hook logs which autograd node read each replayed tensor, and when dx ends the tensors
+   read only by nodes dw will not execute (activation outputs, softmax probabilities, dropout
+   masks) are dropped from the session's replay.
+
+5. dw is the last consumer: in a ``finally`` it clears the session and drops the captured
+   gradients, hooks and graph, also when it raises. A dx that fails after its arguments were
+   checked releases everything too; bad arguments raise before anything changes.
+
+The graph analysis follows the technique of ``torch.distributed.pipelining``'s
+``stage_backward_input`` / ``stage_backward_weight``; the code is ckptfx's own.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import weakref
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+import optree
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from .frame import tls
+from .session import (
+    RecomputeHandle,
+    clear_recompute_session,
+    recompute_handle,
+    recompute_handle_collector_ctx,
+    recompute_session_ctx,
+)
+
+__all__ = ["SplitInputFn", "SplitWeightFn", "grad_split", "vjp_split", "weight_pass_nodes"]
+
+Node = Any  # torch.autograd.graph.Node (C++ nodes have no common Python base)
+
+_inflight_lock = threading.Lock()
+# session key -> the split using it; a split that was dropped unfinished frees its key.
+_inflight: "weakref.WeakValueDictionary[Hashable, _Split]" = weakref.WeakValueDictionary()
+_key_counter = itertools.count()
+
+
+class _SplitKey:
+    """A fresh session key, for splits made without ``session=``."""
+
+    __slots__ = ("n", "__weakref__")
+
+    def __init__(self) -> None:
+        self.n = next(_key_counter)
+
+    def __repr__(self) -> str:
+        return f"<vjp_split session {self.n}>"
+
+
+# -- graph analysis ---------------------------------------------------------------------------
+
+
+class _Group:
+    """Weights whose gradient paths leave the input path at the same nodes."""
+
+    __slots__ = ("intermediates", "roots", "weights")
+
+    def __init__(self) -> None:
+        self.intermediates: list[Node] = []  # input-path nodes; their captured grads are roots
+        self.roots: list[int] = []  # outputs that do not depend on the inputs; cotangent roots
+        self.weights: list[int] = []  # indices into the split's weight list
+
+
+def _plan(
+    out_edges: Sequence[GradientEdge], x_nodes: set[Node], w_nodes: Sequence[Node | None]
+) -> list[_Group]:
+    """Group the weights by where their gradient paths meet the input path."""
+    stop = x_nodes | {n for n in w_nodes if n is not None}
+    parents: dict[Node, list[Node]] = {}
+    queue: collections.deque[Node] = collections.deque()
+    for e in out_edges:
+        if e.node not in parents:
+            parents[e.node] = []
+            queue.append(e.node)
+    while queue:
+        node = queue.popleft()
+        if node in stop:  # an input's own history is not this split's business
+            continue
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            lst = parents.get(child)
+            if lst is None:
+                parents[child] = lst = []
+                queue.append(child)
+            lst.append(node)
+    # The input path: every node from which an input is reachable.
+    on_input_path = {n for n in x_nodes if n in parents}
+    stack = list(on_input_path)
+    while stack:
+        for p in parents[stack.pop()]:
+            if p not in on_input_path:
+                on_input_path.add(p)
+                stack.append(p)
+    out_nodes: dict[Node, list[int]] = collections.defaultdict(list)
+    for i, e in enumerate(out_edges):
+        out_nodes[e.node].append(i)
+
+    groups: list[_Group] = []
+    owner: dict[Node, _Group] = {}
+    for wi, w in enumerate(w_nodes):
+        if w is None or w not in parents:
+            continue  # unused weight: no gradient
+        frontier: set[Node] = set()
+        closure = {w}
+        stack = [w]
+        while stack:
+            node = stack.pop()
+            if node in out_nodes:
+                frontier.add(node)
+            for p in parents[node]:
+                if p in on_input_path:
+                    frontier.add(p)
+                elif p not in closure:
+                    closure.add(p)
+                    stack.append(p)
+        group: _Group | None = None
+        for f in frontier:
+            g = owner.get(f)
+            if g is not None and g is not group:
+                if group is None:
+                    group = g
+                else:  # two groups meet at this weight: merge them
+                    group.weights += g.weights
+                    for n in (*g.intermediates, *(out_edges[i].node for i in g.roots)):
+                        owner[n] = group
+                    group.intermediates += g.intermediates
+                    group.roots += g.roots
+                    groups.remove(g)
+        if group is None:
+            group = _Group()
+            groups.append(group)
+        group.weights.append(wi)
+        for f in frontier:
+            if owner.get(f) is group:
+                continue
+            owner[f] = group
+            if f in on_input_path:
+                group.intermediates.append(f)
+            else:
+                group.roots += out_nodes[f]
+    for g in groups:
+        g.weights.sort()
+        g.roots.sort()
+    return groups
+
+
+def _leading_to(starts: Iterable[Node], targets: Iterable[Node], stop: set[Node]) -> set[Node]:
+    """Nodes reachable from ``starts`` (inclusive) from which some target is reachable."""
+    memo: dict[Node, bool] = {t: True for t in targets}
+    for s in starts:
+        if s in memo:
+            continue
+        memo[s] = False
+        stack = [(s, iter(() if s in stop else s.next_functions))]
+        while stack:
+            node, it = stack[-1]
+            for child, _ in it:
+                if child is None:
+                    continue
+                if child not in memo:
+                    memo[child] = False
+                    stack.append((child, iter(() if child in stop else child.next_functions)))
+                    break
+                if memo[child]:
+                    memo[node] = True
+            else:
+                stack.pop()
+                if stack and memo[node]:
+                    memo[stack[-1][0]] = True
+    return {n for n, leads in memo.items() if leads}
+
+
+def weight_pass_nodes(
+    groups: Iterable[tuple[Iterable[Node], Iterable[Node]]], stop: Iterable[Node] = ()
+) -> set[Node]:
+    """The input-path nodes a weight pass will execute, given its parameter groups.
+
+    Each group is ``(intermediates, weight_nodes)``. A weight pass rooted at a group's
+    intermediates executes those nodes, plus (when a group has several intermediates, i.e. a
+    weight used at several places) the nodes between them that lead to the group's weights.
+    Nodes off the input path may be included too; they are harmless to the caller (trimming
+    only looks at nodes the input pass executed).
+    """
+    keep: set[Node] = set()
+    stop_set = set(stop)
+    for intermediates, weights in groups:
+        intermediates = list(intermediates)
+        keep.update(intermediates)
+        if len(intermediates) > 1:
+            keep |= _leading_to(intermediates, weights, stop_set)
+    return keep
+
+
+def trim_session(session: Any, log: list, keep_nodes: set[Node]) -> None:
+    """Drop from ``session``'s replays every tensor that the logged dx read and dw won't.
+
+    ``log`` holds ``(holder, node)`` pairs appended by the unpack hook during a retaining dx
+    pass; a tensor is dropped when every node that read it is outside ``keep_nodes``. Tensors
+    dx never read are kept (dw may read them).
+    """
+    keep: set[Any] = set()
+    drop: list[Any] = []
+    for holder, node in log:
+        if node is None or node in keep_nodes:
+            keep.add(holder)
+        else:
+            drop.append(holder)
+    for holder in drop:
+        if holder in keep:
+            continue
+        replay = holder.frame.replays.get(session)
+        if replay is not None:
+            replay[holder.index] = None
+
+
+# -- the split --------------------------------------------------------------------------------
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _normalize_argnums(x_argnums: Any, n: int, name: str = "x_argnums") -> tuple[tuple[int, ...], bool]:
+    single = isinstance(x_argnums, int) and not isinstance(x_argnums, bool)
+    nums = (x_argnums,) if single else x_argnums
+    if not isinstance(nums, (tuple, list)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in nums
+    ):
+        raise TypeError(f"{name} must be an int or a tuple of ints, got {x_argnums!r}")
+    out = []
+    for i in nums:
+        if not -n <= i < n:
+            raise ValueError(
+                f"{name}={x_argnums!r} is out of range for {n} positional argument(s)"
+            )
+        out.append(i % n)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name}={x_argnums!r} names an argument twice")
+    return tuple(out), single
+
+
+def _pack(results: list[Any], single: bool) -> Any:
+    if single:
+        return results[0]
+    return tuple(results)
+
+
+def _detach_tree(tree: Any) -> Any:
+    return optree.tree_map(
+        lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree, none_is_leaf=True
+    )
+
+
+class _Split:
+    """State of one split: the graph, the session, the captured gradients (see Rules)."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        x_argnums: Any,
+        session: Hashable | None,
+        has_aux: bool,
+        params: Any,
+        who: str,
+    ) -> None:
+        if not callable(fun):
+            raise TypeError(f"{who}: fun must be callable, got {type(fun).__name__}")
+        if not isinstance(has_aux, bool):
+            raise TypeError(f"{who}: has_aux must be a bool, got {type(has_aux).__name__}")
+        nums, self.x_single = _normalize_argnums(x_argnums, len(args))
+        if session is None:
+            session = _SplitKey()
+        else:
+            try:
+                hash(session)
+            except TypeError:
+                raise ValueError(
+                    f"{who}: session must be hashable (an int, str or tuple), got an unhashable "
+                    f"{type(session).__name__}"
+                ) from None
+        param_list: list[torch.Tensor] = []
+        if params is not None:
+            if isinstance(params, torch.Tensor):
+                params = [params]
+            try:
+                param_list = list(params)
+            except TypeError:
+                raise TypeError(
+                    f"{who}: params must be an iterable of tensors (e.g. module.parameters()), "
+                    f"got {type(params).__name__}"
+                ) from None
+            for p in param_list:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(
+                        f"{who}: params must contain tensors only, got a {type(p).__name__}"
+                    )
+        self.who = who
+        self.key = session
+        self.lock = threading.Lock()
+        self.state = "forward"
+        self.prefired = False
+        self.session_obj: Any = None
+
+        # Flatten the primals; make every floating tensor differentiable (as jax.vjp and
+        # torch.func.vjp do), aliasing those that do not require grad.
+        call_args = list(args)
+        self.x_specs: list[tuple[Any, list[int | None]]] = []  # (treedef, slots) per x arg
+        self.w_specs: list[tuple[Any, list[int | None]]] = []
+        self.x: list[torch.Tensor] = []
+        self.weights: list[torch.Tensor] = []
+        w_index: dict[int, int] = {}
+        for pos, arg in enumerate(args):
+            is_x = pos in nums
+            leaves, treedef = optree.tree_flatten(arg, none_is_leaf=True)
+            slots: list[int | None] = []
+            new_leaves = []
+            for leaf in leaves:
+                if not _differentiable(leaf):
+                    slots.append(None)
+                    new_leaves.append(leaf)
+                    continue
+                if not leaf.requires_grad:
+                    leaf = leaf.detach().requires_grad_()
+                if is_x:
+                    slots.append(len(self.x))
+                    self.x.append(leaf)
+                else:
+                    i = w_index.get(id(leaf))
+                    if i is None:
+                        i = w_index[id(leaf)] = len(self.weights)
+                        self.weights.append(leaf)
+                    slots.append(i)
+                new_leaves.append(leaf)
+            (self.x_specs if is_x else self.w_specs).append((treedef, slots))
+            call_args[pos] = optree.tree_unflatten(treedef, new_leaves)
+        self.param_slots: list[int] = []
+        for p in param_list:
+            if not p.requires_grad:
+                continue
+            i = w_index.get(id(p))
+            if i is None:
+                i = w_index[id(p)] = len(self.weights)
+                self.weights.append(p)
+            if i not in self.param_slots:
+                self.param_slots.append(i)
+        if {id(t) for t in self.x} & w_index.keys():
+            raise ValueError(
+                f"{who}: a tensor passed at x_argnums is also passed as a weight (another "
+                "primal or params=); a tensor is either differentiated by dx_fn or by dw_fn"
+            )
+
+        with _inflight_lock:
+            other = _inflight.get(session)
+            if other is not None and other.state != "done":
+                raise ValueError(
+                    f"{who}: session {session!r} is already used by a split whose dw_fn has not "
+                    "run; use one session key per micro-batch (and stage)"
+                )
+            _inflight[session] = self
+
+        try:
+            with recompute_handle_collector_ctx() as handles, torch.enable_grad():
+                res = fun(*call_args, **kwargs)
+        except BaseException:
+            self._forget()
+            raise
+        if has_aux:
+            if not isinstance(res, (tuple, list)) or len(res) != 2:
+                self._forget()
+                raise TypeError(
+                    f"{who}: with has_aux=True, fun must return a pair (output, aux), got "
+                    f"{type(res).__name__}"
+                )
+            out, aux = res
+            self.aux = _detach_tree(aux)
+        else:
+            out, self.aux = res, None
+        self.handles: list[RecomputeHandle] = handles
+        leaves, self.out_treedef = optree.tree_flatten(out, none_is_leaf=True)
+        self.out_leaves_meta = [
+            (i, leaf.shape) for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ]
+        self.outputs: list[torch.Tensor] = [leaves[i] for i, _ in self.out_leaves_meta]
+        self.out = _detach_tree(out)
+        self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        self.groups: list[_Group] = []
+        self.out_edges: list[GradientEdge] = []
+        self.cotangents: list[torch.Tensor | None] = []
+        self.w_edges: list[GradientEdge] = []
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _forget(self) -> None:
+        with _inflight_lock:
+            if _inflight.get(self.key) is self:
+                del _inflight[self.key]
+
+    def release(self) -> None:
+        """Drop everything (Rule 5); idempotent."""
+        self.state = "done"
+        try:
+            clear_recompute_session(self.key)
+        finally:
+            self.captured = {}
+            self.groups = []
+            self.out_edges = []
+            self.cotangents = []
+            self.outputs = []
+            self.handles = []
+            self.x = []
+            self.weights = []
+            self.w_edges = []
+            self.session_obj = None
+            self._forget()
+
+    def _check_not_cleared(self) -> None:
+        obj = self.session_obj
+        if obj is not None and obj.cleared:
+            self.release()
+            raise RuntimeError(
+                f"{self.who}: session {self.key!r} was cleared (clear_recompute_session) before "
+                "this split finished; the split is abandoned and released"
+            )
+
+    def prefire(self) -> None:
+        """Replay every checkpointed block of the forward for this split's session now."""
+        with self.lock:
+            if self.state != "forward":
+                raise RuntimeError(
+                    f"{self.who}: prefire() must come before dx_fn; this split is past it "
+                    f"(state: {self.state})"
+                )
+            self._prefire()
+
+    def _prefire(self) -> None:
+        if self.prefired:
+            self._check_not_cleared()
+            return
+        try:
+            for h in self.handles:
+                recompute_handle(h, self.key)
+        except BaseException:
+            # Leave nothing half-replayed: a retry starts from a clean session.
+            clear_recompute_session(self.key)
+            raise
+        for h in self.handles:
+            frame = h.frame
+            if frame is not None and frame.session is not None:
+                self.session_obj = frame.session
+                break
+        self.prefired = True
+
+    # -- dx -----------------------------------------------------------------------------------
+
+    def _check_cotangent(self, cotangent: Any) -> list[torch.Tensor | None]:
+        leaves, treedef = optree.tree_flatten(cotangent, none_is_leaf=True)
+        if treedef != self.out_treedef:
+            raise ValueError(
+                f"{self.who}: cotangent must have the structure of the output ({self.out_treedef}), "
+                f"got {treedef}"
+            )
+        cots: list[torch.Tensor | None] = []
+        for i, shape in self.out_leaves_meta:
+            c = leaves[i]
+            if c is not None and not isinstance(c, torch.Tensor):
+                raise TypeError(
+                    f"{self.who}: cotangent leaf {i} must be a tensor (or None), got "
+                    f"{type(c).__name__}"
+                )
+            if c is not None and c.shape != shape:
+                raise ValueError(
+                    f"{self.who}: cotangent leaf {i} has shape {tuple(c.shape)}, expected "
+                    f"{tuple(shape)} (the output's shape)"
+                )
+            cots.append(c)
+        return cots
+
+    def dx(self, cotangent: Any) -> Any:
+        with self.lock:
+            if self.state != "forward":
+                raise RuntimeError(self._order_error("dx_fn"))
+            cots = self._check_cotangent(cotangent)
+            self.state = "dx"
+        try:
+            self._prefire()
+            used = [i for i, c in enumerate(cots) if c is not None]
+            self.cotangents = [cots[i] for i in used]
+            outputs = [self.outputs[i] for i in used]
+            self.out_edges = [get_gradient_edge(o) for o in outputs]
+            x_req = [t for t in self.x if t.requires_grad]
+            x_nodes = {get_gradient_edge(t).node for t in x_req}
+            self.w_edges = [get_gradient_edge(w) for w in self.weights]
+            self.groups = _plan(self.out_edges, x_nodes, [e.node for e in self.w_edges])
+            keep = weight_pass_nodes(
+                ((g.intermediates, [self.w_edges[i].node for i in g.weights]) for g in self.groups),
+                stop=x_nodes,
+            )
+            hooks = []
+            captured = self.captured
+
+            def capture(node: Node) -> Callable[..., None]:
+                def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+                    captured[node] = grad_outputs
+                return hook
+
+            grads: Sequence[torch.Tensor | None] = [None] * len(x_req)
+            try:
+                for g in self.groups:
+                    for node in g.intermediates:
+                        hooks.append(node.register_prehook(capture(node)))
+                if x_req and outputs:
+                    log: list = []
+                    with recompute_session_ctx(self.key, retain_on_unpack=True):
+                        act = tls.activation
+                        act.log = log
+                        try:
+                            grads = torch.autograd.grad(
+                                outputs, x_req, self.cotangents, retain_graph=True,
+                                allow_unused=True,
+                            )
+                        finally:
+                            act.log = None
+                    if self.session_obj is None and len(act.session.frames):
+                        self.session_obj = act.session  # frames found lazily (no prefire)
+                    trim_session(act.session, log, keep)
+                    log.clear()
+            finally:
+                for h in hooks:
+                    h.remove()
+            self._check_not_cleared()
+            by_id = {id(t): g for t, g in zip(x_req, grads)}
+            flat = [
+                (by_id.get(id(t)) if by_id.get(id(t)) is not None else torch.zeros_like(t))
+                for t in self.x
+            ]
+            results = []
+            for treedef, slots in self.x_specs:
+                results.append(
+                    optree.tree_unflatten(treedef, [None if s is None else flat[s] for s in slots])
+                )
+            with self.lock:
+                self.state = "dx_done"
+            return _pack(results, self.x_single)
+        except BaseException:
+            self.release()
+            raise
+
+    # -- dw -----------------------------------------------------------------------------------
+
+    def dw(self) -> Any:
+        with self.lock:
+            if self.state != "dx_done":
+                raise RuntimeError(self._order_error("dw_fn"))
+            self.state = "dw"
+        try:
+            self._check_not_cleared()
+            n = len(self.weights)
+            wgrads: list[torch.Tensor | None] = [None] * n
+            work = []
+            for g in self.groups:
+                edges: list[GradientEdge] = []
+                seeds: list[torch.Tensor] = []
+                for node in g.intermediates:
+                    for i, grad in enumerate(self.captured.get(node, ())):
+                        if grad is not None:
+                            edges.append(GradientEdge(node, i))
+                            seeds.append(grad)
+                for i in g.roots:
+                    edges.append(self.out_edges[i])
+                    seeds.append(self.cotangents[i])
+                if edges:
+                    work.append((g, edges, seeds))
+            for k, (g, edges, seeds) in enumerate(work):
+                last = k == len(work) - 1
+                hooks = []
+                try:
+                    if len(g.intermediates) > 1:
+                        # A root may also receive gradient through another root of the group:
+                        # pin each intermediate to what it received in dx.
+                        for node in g.intermediates:
+                            saved = self.captured.get(node)
+                            if saved is not None:
+                                hooks.append(node.register_prehook(lambda _, s=saved: s))
+                    with recompute_session_ctx(self.key, retain_on_unpack=not last):
+                        res = torch.autograd.grad(
+                            edges, [self.w_edges[i] for i in g.weights], seeds,
+                            retain_graph=not last, allow_unused=True,
+                        )
+                finally:
+                    for h in hooks:
+                        h.remove()
+                for i, r in zip(g.weights, res):
+                    wgrads[i] = r
+            # Accumulate into .grad as backward() would; never alias a caller's tensor.
+            aliases = {c.untyped_storage().data_ptr() for c in self.cotangents if c is not None}
+            for saved in self.captured.values():
+                aliases.update(t.untyped_storage().data_ptr() for t in saved if t is not None)
+            for i in self.param_slots:
+                g = wgrads[i]
+                if g is None:
+                    continue
+                p = self.weights[i]
+                if p.grad is None:
+                    p.grad = g.clone() if g.untyped_storage().data_ptr() in aliases else g
+                    aliases.add(p.grad.untyped_storage().data_ptr())
+                else:
+                    p.grad += g
+            results = []
+            for treedef, slots in self.w_specs:
+                leaves = []
+                for s in slots:
+                    if s is None:
+                        leaves.append(None)
+                    else:
+                        g = wgrads[s]
+                        leaves.append(g if g is not None else torch.zeros_like(self.weights[s]))
+                results.append(optree.tree_unflatten(treedef, leaves))
+            return _pack(results, len(results) == 1)
+        finally:
+            self.release()
+
+    def _order_error(self, fn: str) -> str:
+        state = self.state
+        if state == "forward":
+            return f"{self.who}: dw_fn called before dx_fn for session {self.key!r}; run dx_fn first"
+        if state in ("dx", "dw"):
+            return f"{self.who}: {fn} called while {state}_fn of session {self.key!r} is running"
+        if state == "dx_done":
+            return (f"{self.who}: dx_fn already ran for session {self.key!r}; "
+                    "call dw_fn next (dx_fn runs once per split)")
+        return (f"{self.who}: session {self.key!r} is consumed (its dw_fn ran, or it failed or "
+                "was cleared, which releases it); make a new split")
+
+
+class SplitInputFn:
+    """``dx_fn`` of ``vjp_split``: ``dx_fn(cotangent)`` returns the input gradients.
+
+    ``dx_fn.prefire()`` replays the checkpointed blocks for the session now (a scheduler may
+    call it whenever it likes before dx_fn); ``dx_fn.session`` is the session key.
+    """
+
+    __slots__ = ("_split",)
+
+    def __init__(self, split: _Split) -> None:
+        self._split = split
+
+    @property
+    def session(self) -> Hashable:
+        return self._split.key
+
+    def prefire(self) -> None:
+        self._split.prefire()
+
+    def __call__(self, cotangent: Any) -> Any:
+        return self._split.dx(cotangent)
+
+    def __repr__(self) -> str:
+        return f"<vjp_split dx_fn, session {self._split.key!r}, {self._split.state}>"
+
+
+class SplitWeightFn:
+    """``dw_fn`` of ``vjp_split``: ``dw_fn()`` returns the weight gradients and releases all."""
+
+    __slots__ = ("_split",)
+
+    def __init__(self, split: _Split) -> None:
+        self._split = split
+
+    @property
+    def session(self) -> Hashable:
+        return self._split.key
+
+    def __call__(self) -> Any:
+        return self._split.dw()
+
+    def __repr__(self) -> str:
+        return f"<vjp_split dw_fn, session {self._split.key!r}, {self._split.state}>"
+
+
+def vjp_split(
+    fun: Callable[..., Any],
+    *primals: Any,
+    x_argnums: int | tuple[int, ...] = 0,
+    session: Hashable | None = None,
+    has_aux: bool = False,
+    params: Iterable[torch.Tensor] | None = None,
+) -> tuple[Any, ...]:
+    """Run ``fun(*primals)`` now; return its output and a backward split in two.
+
+    Returns ``(out, dx_fn, dw_fn)``, or ``(out, dx_fn, dw_fn, aux)`` with ``has_aux=True``
+    (``fun`` then returns ``(out, aux)``). ``out`` and ``aux`` are detached: the split owns the
+    graph, as ``jax.vjp`` does.
+
+    - ``dx_fn(cotangent)``: ``cotangent`` has ``out``'s structure (a ``None`` leaf sends no
+      gradient from that output). Returns the gradients of the primals at ``x_argnums`` (one
+      pytree for an int, a tuple for a tuple), zeros where a tensor is unused, ``None`` for
+      non-floating leaves. Runs once.
+    - ``dw_fn()``: after ``dx_fn``, returns the gradients of the other primals (one pytree when
+      there is one other primal, else a tuple in positional order) and accumulates into
+      ``.grad`` the gradients of the ``params=`` tensors that require grad, as ``backward()``
+      would. Runs once, and always releases the session, captured gradients and graph.
+    - ``dx_fn.prefire()``: replay the checkpointed blocks now, for a scheduler that wants the
+      replay earlier than dx (dx_fn does it otherwise).
+
+    Every floating tensor among the primals is differentiated (like ``torch.func.vjp``); one
+    that does not require grad is replaced by a detached alias that does. ``session`` is the
+    key of the recompute session (any hashable; a fresh one when None); it must not be used by
+    another split in flight. ``ckptfx.clear_recompute_session(session)`` abandons the split.
+
+    Every ``ckptfx.checkpoint`` / ``remat`` block inside ``fun`` runs twice in all (forward and
+    one replay), and dx + dw do the work of one fused backward. Between dx and dw the session
+    holds only the replayed tensors dw reads (``ckptfx.recompute_session_stats()``).
+
+    Example::
+
+        out, dx_fn, dw_fn = ckptfx.vjp_split(stage, x, params=stage.parameters(), session=mb)
+        dx = dx_fn(grad_from_next_stage)     # send dx upstream now
+        ...
+        dw_fn()                              # later: fills p.grad for stage.parameters()
+    """
+    split = _Split(fun, primals, {}, x_argnums, session, has_aux, params, "vjp_split")
+    dx_fn, dw_fn = SplitInputFn(split), SplitWeightFn(split)
+    if has_aux:
+        return split.out, dx_fn, dw_fn, split.aux
+    return split.out, dx_fn, dw_fn
+
+
+def grad_split(
+    fun: Callable[..., Any], *, x_argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+) -> tuple[Callable[..., Any], Callable[[Hashable], Any]]:
+    """Split ``jax.value_and_grad(fun)`` into an input half and a weight half.
+
+    ``fun`` returns a scalar tensor (with ``has_aux=True``: ``(scalar, aux)``). Returns
+    ``(dx_fn, dw_fn)``:
+
+    - ``dx_fn(*args, session, **kwargs)`` runs the forward and the input-gradient pass and
+      returns ``(value, dx)`` (``((value, aux), dx)`` with aux), ``dx`` the gradients of the
+      arguments at ``x_argnums`` (one pytree for an int, a tuple for a tuple). ``kwargs`` are
+      passed to ``fun`` and not differentiated.
+    - ``dw_fn(session)`` returns the gradients of the arguments not in ``x_argnums`` (one
+      pytree when one argument remains, else a tuple in positional order) and releases the
+      session.
+
+    Several sessions may be in flight at once (``dx(s1) dx(s2) dw(s1) dx(s3) ...``), on any
+    threads. A session runs ``dx_fn`` then ``dw_fn`` once; afterwards its key may be reused.
+
+    Example::
+
+        dx_fn, dw_fn = ckptfx.grad_split(loss_fn, x_argnums=1)
+        (loss, dx) = dx_fn(params, x, session=0)
+        grads = dw_fn(0)
+    """
+    if not callable(fun):
+        raise TypeError(f"grad_split: fun must be callable, got {type(fun).__name__}")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"grad_split: has_aux must be a bool, got {type(has_aux).__name__}")
+    if isinstance(x_argnums, int) and not isinstance(x_argnums, bool):
+        pass
+    elif not isinstance(x_argnums, (tuple, list)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in x_argnums
+    ):
+        raise TypeError(f"grad_split: x_argnums must be an int or a tuple of ints, got {x_argnums!r}")
+    splits: dict[Hashable, _Split | None] = {}
+    lock = threading.Lock()
+
+    def check_session(session: Any, fn: str) -> None:
+        if session is None:
+            raise ValueError(f"grad_split {fn}: session must be a hashable key, got None")
+        try:
+            hash(session)
+        except TypeError:
+            raise ValueError(
+                f"grad_split {fn}: session must be hashable, got an unhashable "
+                f"{type(session).__name__}"
+            ) from None
+
+    def dx_fn(*args: Any, session: Hashable, **kwargs: Any) -> Any:
+        check_session(session, "dx_fn")
+        with lock:
+            if session in splits:
+                raise RuntimeError(
+                    f"grad_split dx_fn: session {session!r} is already in flight; call "
+                    f"dw_fn({session!r}) before reusing it"
+                )
+            splits[session] = None  # reserved
+        try:
+            split = _Split(fun, args, kwargs, x_argnums, session, has_aux, None, "grad_split")
+            outs = split.outputs
+            if len(outs) != 1 or split.out_treedef.num_leaves != 1 or outs[0].numel() != 1:
+                split.release()
+                raise TypeError(
+                    "grad_split: fun must return a scalar tensor that requires grad"
+                    + (" as the first element of (value, aux)" if has_aux else "")
+                    + f", got {split.out!r}"
+                )
+            dx = split.dx(torch.ones_like(split.out))
+        except BaseException:
+            with lock:
+                splits.pop(session, None)
+            raise
+        with lock:
+            splits[session] = split
+        value = (split.out, split.aux) if has_aux else split.out
+        return value, dx
+
+    def dw_fn(session: Hashable) -> Any:
+        check_session(session, "dw_fn")
+        with lock:
+            split = splits.get(session)
+            if split is not None:
+                del splits[session]
+        if split is None:
+            raise RuntimeError(
+                f"grad_split dw_fn: no dx_fn(..., session={session!r}) is waiting for its dw_fn "
+                "(dw_fn must follow a finished dx_fn of the same session, once; this session is "
+                "unknown, still in its dx_fn, or already consumed)"
+            )
+        return split.dw()
+
+    return dx_fn, dw_fn

@@ -1,0 +1,556 @@
+"""Recording a remat'd block: its ATen ops, which saved tensors are kept, and a replay plan.
+
+Rules
+
+1. The forward of a remat call runs under a ``Tracer``: a TorchDispatchMode that records each
+   ATen op (after autocast, so a replay runs with autocast off) and a saved-tensor pack hook.
+   Values are tracked by tensor identity: each op output is tagged with its *slot*; block
+   inputs and tensors from outside (parameters, closures) get slots when first read.
+   Autograd packs an op's saved inputs before the op reaches the mode and its saved outputs
+   after, so every packed tensor is already tagged, or is an input or outside tensor.
+
+2. The policy is asked once per op; its answer belongs to the op's outputs (for an in-place
+   op, to the value it rewrote; a view of a kept value is kept with it). At a pack the
+   value is: an *argument* (an input, an outside tensor, or a view of one: referenced, never
+   copied), *saved* (kept), *offloaded* (kept on the host), or *recomputed* (a kernel
+   ``Holder`` that the replay fills).
+
+3. In-place writes are versioned per base storage (a view shares its base's). An op reads a
+   value at a version; a pack keeps a value at a version. The replay of a recomputed value
+   runs only the ops it transitively needs, reading kept values where a kept (slot, version)
+   is still alive instead of recomputing it. Seeded random ops replay with the generator
+   state recorded right before them, so skipping ops never shifts a dropout mask.
+
+4. The segment is replayed only if it is shown replayable; otherwise the frame re-runs the
+   Python function (the kernel's default strategy). Not replayable: a buffer from
+   ``torch.empty`` read before any recorded op wrote it (a custom kernel filled it), a write
+   to an input or outside tensor, a write to a value after it was saved, an op with an
+   explicit ``generator``, tensor subclasses, or autograd running inside the block. An
+   outside tensor modified in place between forward and backward is a ``CheckpointError``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any, Callable
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SelectiveCheckpointContext
+
+from . import _compat
+from ._debug import user_call_site
+from .frame import CheckpointError, Frame, Holder, Replay, rerun_function
+from .policies import Offload, call_policy, checkpoint_name
+
+__all__ = ["Segment", "Tracer", "active_tracer", "reporting", "residual_unpack_hook"]
+
+aten = torch.ops.aten
+_EMPTY_OPS = frozenset({
+    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+    aten.new_empty.default, aten.new_empty_strided.default,
+})
+_SEEDED = torch.Tag.nondeterministic_seeded
+_token = itertools.count()
+
+
+class _TracerStack(threading.local):
+    tracers: list["Tracer"]
+    report: list[tuple[Any, ...]] | None  # open while saved_residuals runs the function
+
+    def __init__(self) -> None:
+        self.tracers = []
+        self.report = None
+
+
+_stack = _TracerStack()
+
+
+def reporting() -> bool:
+    """True while ``saved_residuals`` runs a function on this thread."""
+    return _stack.report is not None
+
+
+def active_tracer() -> "Tracer | None":
+    tracers = _stack.tracers
+    return tracers[-1] if tracers else None
+
+
+# -- residual holders (what a kept saved tensor is packed into) ------------------------------
+
+
+class _Kept:
+    """A saved tensor kept by the policy; unpacked as is."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get(self) -> torch.Tensor:
+        return self.tensor
+
+
+class _Offloaded:
+    """A saved tensor moved to host memory in the forward, brought back for the backward."""
+
+    __slots__ = ("tensor", "device", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, pinned: bool) -> None:
+        self.device = tensor.device
+        if tensor.device.type == "cpu":
+            self.tensor = tensor
+        else:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
+            host.copy_(tensor, non_blocking=pinned)
+            self.tensor = host
+
+    def get(self) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self.tensor
+        return self.tensor.to(self.device, non_blocking=True)
+
+
+class _Argument:
+    """A block input saved by autograd: read back through the frame's saved inputs, so a
+    parent checkpoint still owns it (torch's nesting rule)."""
+
+    __slots__ = ("frame", "index")
+
+    def __init__(self, frame: Frame, index: int) -> None:
+        self.frame = frame
+        self.index = index
+
+    def get(self) -> torch.Tensor:
+        return self.frame.inputs[self.index].unpack()
+
+
+def residual_unpack_hook(packed: Any) -> torch.Tensor:
+    """Unpack hook of remat frames: kernel holders replay, kept residuals are handed out."""
+    if packed.__class__ is Holder:
+        from .frame import unpack_hook
+
+        return unpack_hook(packed)
+    return packed.get()
+
+
+class _DeadRef:
+    """Stands in ``frame.holders`` for a pack that is kept, not recomputed."""
+
+    __slots__ = ()
+
+    def __call__(self) -> None:
+        return None
+
+
+_DEAD = _DeadRef()
+
+
+# -- op facts, cached per OpOverload --------------------------------------------------------
+
+
+class _OpInfo:
+    __slots__ = ("seeded", "writes", "view", "empty")
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        self.seeded = _SEEDED in func.tags
+        self.writes = tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        self.view = any(r.alias_info is not None and not r.alias_info.is_write
+                        for r in schema.returns)
+        self.empty = func in _EMPTY_OPS
+
+
+_OP_INFO: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func: Any) -> _OpInfo:
+    info = _OP_INFO.get(func)
+    if info is None:
+        info = _OP_INFO[func] = _OpInfo(func)
+    return info
+
+
+# -- the recorded segment -------------------------------------------------------------------
+
+
+class _Op:
+    __slots__ = ("func", "spec", "leaves", "inputs", "outs", "rng", "site")
+
+    def __init__(self, func: Any, spec: Any, leaves: list[Any],
+                 inputs: list[tuple[int, int, int]], rng: Any, site: str | None) -> None:
+        self.func = func
+        self.spec = spec
+        self.leaves = leaves          # tensor leaves replaced by None
+        self.inputs = inputs          # (leaf position, slot, version read)
+        self.outs: list[tuple[int, int]] = []  # (output leaf position, slot)
+        self.rng = rng                # generator states to restore before replaying
+        self.site = site
+
+    def __str__(self) -> str:
+        return str(self.func)
+
+
+class Segment:
+    """The recorded ops of one remat call and the replay strategy built on them."""
+
+    def __init__(self) -> None:
+        self.ops: list[_Op] = []
+        self.producer: list[int] = []        # slot -> op that created the object (-1: none)
+        self.base: list[int] = []            # slot -> slot of its base storage
+        self.writers: dict[int, list[int]] = {}  # base slot -> ops that wrote it, in order
+        self.input_slots: list[int] = []
+        self.outside: dict[int, tuple[torch.Tensor, int]] = {}  # slot -> (tensor, version)
+        self.targets: dict[int, tuple[int, int]] = {}  # holder position -> (slot, version)
+        self.kept: dict[tuple[int, int], Callable[[], Any]] = {}  # (slot, version) -> weakref
+        self.replayable = True
+        self.why_not: str | None = None
+        self.last_plan: int = 0
+
+    def not_replayable(self, why: str) -> None:
+        if self.replayable:
+            self.replayable = False
+            self.why_not = why
+
+    def version(self, slot: int) -> int:
+        w = self.writers.get(self.base[slot])
+        return 0 if w is None else len(w)
+
+    # The replay strategy (frame.rerun) -------------------------------------------------
+
+    def replay(self, frame: Frame, tensors: Replay) -> None:
+        if not self.replayable:
+            rerun_function(frame, tensors)
+            return
+        targets = [(pos, sv) for pos, sv in self.targets.items()
+                   if frame.holders[pos]() is not None]
+        if not targets:
+            return
+        available: dict[tuple[int, int], Any] = {}
+        for sv, ref in self.kept.items():
+            kept = ref()
+            if kept is not None:
+                available[sv] = kept
+        plan = self._plan([sv for _, sv in targets], available)
+        self.last_plan = len(plan)
+        vals: list[Any] = [None] * len(self.producer)
+        for slot, t in zip(self.input_slots, frame.saved_inputs()):
+            vals[slot] = t
+        for slot, (t, version) in self.outside.items():
+            if t._version != version:
+                raise CheckpointError(
+                    f"ckptfx.remat: a tensor the block read from outside its arguments "
+                    f"({_describe(t)}, e.g. a parameter or a closure) was modified in place "
+                    "between the forward and the backward; the replay would read the new "
+                    "values. Run the backward before updating it, or pass it as an argument."
+                )
+            vals[slot] = t
+        with _ReplayGuard(frame.env.device_type):
+            for i in plan:
+                op = self.ops[i]
+                leaves = list(op.leaves)
+                for j, slot, version in op.inputs:
+                    kept = available.get((slot, version))
+                    leaves[j] = vals[slot] if kept is None else kept.get()
+                args, kwargs = optree.tree_unflatten(op.spec, leaves)
+                if op.rng is not None:
+                    _set_rng(op.rng)
+                out = op.func(*args, **kwargs)
+                if op.outs:
+                    out_leaves = optree.tree_leaves(out, none_is_leaf=True)
+                    for j, slot in op.outs:
+                        vals[slot] = out_leaves[j]
+        for pos, (slot, _) in targets:
+            tensors[pos] = vals[slot]
+
+    def _plan(self, wanted: list[tuple[int, int]], available: dict) -> list[int]:
+        """The ops to run, in recorded order, to rebuild ``wanted`` (Rule 3)."""
+        needed: set[int] = set()
+        stack = list(wanted)
+        seen: set[tuple[int, int]] = set()
+        while stack:
+            sv = stack.pop()
+            if sv in seen or sv in available:
+                continue
+            seen.add(sv)
+            slot, version = sv
+            ops = [self.producer[slot]]
+            if version:
+                ops.append(self.writers[self.base[slot]][version - 1])
+            for i in ops:
+                if i >= 0 and i not in needed:
+                    needed.add(i)
+                    stack.extend((s, v) for _, s, v in self.ops[i].inputs)
+        return sorted(needed)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)}"
+
+
+def _rng_states(device: torch.device | None) -> tuple[torch.Tensor, Any]:
+    dev_state = None
+    if device is not None and device.type not in ("cpu", "meta"):
+        mod = torch.get_device_module(device.type)
+        dev_state = (mod, device.index, mod.get_rng_state(device.index))
+    return torch.get_rng_state(), dev_state
+
+
+def _set_rng(states: tuple[torch.Tensor, Any]) -> None:
+    cpu, dev = states
+    torch.set_rng_state(cpu)
+    if dev is not None:
+        mod, index, state = dev
+        mod.set_rng_state(state, index)
+
+
+class _ReplayGuard:
+    """No grad, no autocast (ops were recorded after it), the caller's RNG put back."""
+
+    def __init__(self, device_type: str | None) -> None:
+        self.device_type = device_type
+
+    def __enter__(self) -> None:
+        self.grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self.autocast = [torch.autocast("cpu", enabled=False)]
+        if self.device_type is not None and torch.amp.is_autocast_available(self.device_type):
+            self.autocast.append(torch.autocast(self.device_type, enabled=False))
+        for a in self.autocast:
+            a.__enter__()
+        self.cpu_rng = torch.get_rng_state()
+        self.dev_rng = None
+        if self.device_type is not None:
+            mod = torch.get_device_module(self.device_type)
+            if mod.is_initialized():
+                self.dev_rng = (mod, mod.get_rng_state())
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.dev_rng is not None:
+            mod, state = self.dev_rng
+            mod.set_rng_state(state)
+        for a in reversed(self.autocast):
+            a.__exit__(None, None, None)
+        torch.set_grad_enabled(self.grad)
+
+
+# -- the tracer -----------------------------------------------------------------------------
+
+_NAME_OP = checkpoint_name
+_SAC_CTX = SelectiveCheckpointContext(is_recompute=False)
+
+
+class Tracer(TorchDispatchMode):
+    """Records a remat forward into a ``Segment`` and packs its saved tensors (Rules 1-2)."""
+
+    def __init__(self, frame: Frame, inputs: list[torch.Tensor], policy: Any,
+                 input_names: list[str] | None = None) -> None:
+        super().__init__()
+        self.frame = frame
+        self.policy = policy
+        self.report = _stack.report
+        self.sites = self.report is not None
+        self.input_names = input_names
+        self.attr = f"_ckptfx_{next(_token)}"
+        self.seg = seg = Segment()
+        self.decision: list[Any] = []      # slot -> True (keep) / False / Offload
+        self.root: list[int] = []          # slot -> input/outside slot it views, or -1
+        self.ids: dict[int, int] = {}      # id of input/outside tensor -> slot
+        self.uninit: set[int] = set()      # base slots from torch.empty not yet written
+        self.packed_bases: set[int] = set()
+        self.names: dict[int, tuple[str, str | None]] = {}
+        self.pinned = frame.env.device_type is not None
+        for i, t in enumerate(inputs):
+            if id(t) not in self.ids:
+                self.ids[id(t)] = self._new_slot(-1, None, root=True)
+            seg.input_slots.append(self.ids[id(t)])
+
+    def _new_slot(self, producer: int, base: int | None, root: bool = False) -> int:
+        seg = self.seg
+        slot = len(seg.producer)
+        seg.producer.append(producer)
+        seg.base.append(slot if base is None else base)
+        self.decision.append(False)
+        self.root.append(slot if root else -1)
+        return slot
+
+    def _slot(self, t: torch.Tensor) -> int:
+        slot = t.__dict__.get(self.attr)
+        if slot is not None:
+            return slot
+        slot = self.ids.get(id(t))
+        if slot is None:  # a tensor from outside the block: a parameter, a closure, a constant
+            slot = self.ids[id(t)] = self._new_slot(-1, None, root=True)
+            self.seg.outside[slot] = (t, t._version)
+        return slot
+
+    # the dispatch side -----------------------------------------------------------------
+
+    def __enter__(self) -> "Tracer":
+        _stack.tracers.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _stack.tracers.pop()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        seg = self.seg
+        info = _op_info(func)
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        written: set[int] = set()
+        for i, name in info.writes:
+            v = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(v, torch.Tensor):
+                written.add(id(v))
+            elif isinstance(v, (list, tuple)):
+                written.update(id(x) for x in v if isinstance(x, torch.Tensor))
+        inputs = []
+        device = None
+        for j, a in enumerate(leaves):
+            if isinstance(a, torch.Tensor):
+                if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+                    seg.not_replayable(f"{func} got a tensor subclass ({type(a).__name__})")
+                slot = self._slot(a)
+                base = seg.base[slot]
+                if base in self.uninit and id(a) not in written:
+                    seg.not_replayable(
+                        f"{func} read a torch.empty buffer that no recorded op wrote (a custom "
+                        "kernel or an out-of-dispatcher write filled it)")
+                inputs.append((j, slot, seg.version(slot)))
+                leaves[j] = None
+                device = device or a.device
+        if kwargs.get("generator") is not None:
+            seg.not_replayable(f"{func} uses an explicit generator")
+        if _compat.current_graph_task_id() != -1:
+            seg.not_replayable("autograd ran inside the block")
+        rng = None
+        if info.seeded:
+            rng = _rng_states(device or kwargs.get("device"))
+        out = func(*args, **kwargs)
+        index = len(seg.ops)
+        op = _Op(func, spec, leaves, inputs, rng,
+                 user_call_site() if self.sites else None)
+        seg.ops.append(op)
+
+        for i, name in info.writes:  # versions move on for every value this op rewrote
+            v = args[i] if i < len(args) else kwargs.get(name)
+            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    slot = self._slot(t)
+                    base = seg.base[slot]
+                    seg.writers.setdefault(base, []).append(index)
+                    self.uninit.discard(base)
+                    if seg.producer[base] < 0:
+                        seg.not_replayable(f"{func} writes in place to a block input or an "
+                                           "outside tensor")
+                    if base in self.packed_bases:
+                        seg.not_replayable(f"{func} writes in place to a value autograd saved")
+
+        decision = None
+        out_leaves = optree.tree_leaves(out, none_is_leaf=True)
+        for j, o in enumerate(out_leaves):
+            if not isinstance(o, torch.Tensor):
+                continue
+            slot = o.__dict__.get(self.attr)
+            if slot is None and id(o) in self.ids:
+                slot = self.ids[id(o)]
+            if slot is None:
+                base = None
+                root = -1
+                if info.view and inputs:
+                    src = inputs[0][1]
+                    base = seg.base[src]
+                    root = self.root[src]
+                slot = self._new_slot(index, base)
+                self.root[slot] = root
+                o.__dict__[self.attr] = slot
+                if info.empty:
+                    self.uninit.add(slot)
+                if info.view and inputs and self.decision[inputs[0][1]] is not False:
+                    self.decision[slot] = self.decision[inputs[0][1]]
+                    op.outs.append((j, slot))
+                    continue
+            op.outs.append((j, slot))
+            if self.policy is not None:
+                if decision is None:
+                    decision = call_policy(self.policy, _SAC_CTX, func, args, kwargs)
+                self.decision[slot] = decision
+        return out
+
+    def name(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``checkpoint_name`` inside this trace: a view of ``x`` carrying the name."""
+        y = x.view_as(x)  # recorded as a view op; its slot gets the name's decision
+        slot = self._slot(y)
+        self.names[slot] = (name, user_call_site() if self.sites else None)
+        if self.policy is not None:
+            decision = call_policy(self.policy, _SAC_CTX, _NAME_OP, (x,), {"name": name})
+            if decision is not False or self.decision[slot] is False:
+                self.decision[slot] = decision
+        return y
+
+    # the autograd side -----------------------------------------------------------------
+
+    def pack(self, x: torch.Tensor) -> Any:
+        frame = self.frame
+        pos = len(frame.holders)
+        if frame.metas is not None:
+            frame.metas.append((x.shape, x.dtype, x.device))
+        slot = x.__dict__.get(self.attr)
+        if slot is None:
+            index = self.ids.get(id(x))
+            frame.holders.append(_DEAD)
+            if index is not None and index in self._input_index:
+                packed: Any = _Argument(frame, self._input_index[index])
+            else:
+                packed = _Kept(x)
+                index = self._slot(x)
+            self._note("argument", x, index, 0)
+            return packed
+        version = self.seg.version(slot)
+        if self.root[slot] >= 0:
+            frame.holders.append(_DEAD)
+            self._note("argument", x, self.root[slot], 0)
+            return _Kept(x)
+        decision = self.decision[slot]
+        if decision is False:
+            holder = Holder(frame, pos)
+            frame.holders.append(weakref.ref(holder))
+            self.seg.targets[pos] = (slot, version)
+            self.packed_bases.add(self.seg.base[slot])
+            return holder
+        frame.holders.append(_DEAD)
+        self.packed_bases.add(self.seg.base[slot])
+        if isinstance(decision, Offload):
+            packed = _Offloaded(x, self.pinned and decision.dst == "pinned_host")
+            self._note("offloaded", x, slot, version)
+        else:
+            packed = _Kept(x)
+            self._note("saved", x, slot, version)
+        self.seg.kept.setdefault((slot, version), weakref.ref(packed))
+        return packed
+
+    @property
+    def _input_index(self) -> dict[int, int]:
+        cache = self.__dict__.get("_inputs_by_slot")
+        if cache is None:
+            cache = {slot: i for i, slot in enumerate(self.seg.input_slots)}
+            self.__dict__["_inputs_by_slot"] = cache
+        return cache
+
+    def _note(self, kind: str, x: torch.Tensor, slot: int, version: int) -> None:
+        if self.report is not None:
+            self.report.append((self, kind, x, slot, version))
+
+    def finish(self) -> Segment:
+        """End of the forward: hand the segment to the frame as its replay strategy."""
+        self.frame.rerun = self.seg.replay
+        return self.seg

@@ -1,0 +1,106 @@
+"""Shared test helpers: counted blocks, the three checkpoint variants, bitwise comparison.
+
+Keep this small and generic; topic-specific helpers belong in the test file that uses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import ckptfx
+
+# The three ways to run a block: as is, under torch's non-reentrant checkpoint, under ckptfx.
+VARIANTS = ("plain", "torch", "ckptfx")
+
+
+def run_variant(variant: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn(*args, **kwargs)`` with no checkpoint, torch's, or ckptfx's.
+
+    Extra checkpoint options go in ``kwargs`` with a ``ckpt_`` prefix (``ckpt_early_stop=``).
+
+    Example::
+
+        out = run_variant("ckptfx", block, x, ckpt_context_fn=my_ctx_fn)
+    """
+    options = {k[5:]: kwargs.pop(k) for k in list(kwargs) if k.startswith("ckpt_")}
+    if variant == "plain":
+        return fn(*args, **kwargs)
+    if variant == "torch":
+        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **options, **kwargs)
+    if variant == "ckptfx":
+        return ckptfx.checkpoint(fn, *args, **options, **kwargs)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def checkpoint_fn(variant: str) -> Callable[..., Any]:
+    """The checkpoint callable of a variant, for blocks that checkpoint inside themselves."""
+    return lambda fn, *a, **k: run_variant(variant, fn, *a, **k)
+
+
+class Counted:
+    """Wraps a block and counts how many times it runs (forward and replays).
+
+    Example::
+
+        block = Counted(lambda x: x.sin())
+        ckptfx.checkpoint(block, x).sum().backward()
+        assert block.calls == 2
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def assert_bitwise(actual: Sequence[torch.Tensor | None],
+                   expected: Sequence[torch.Tensor | None], what: str = "gradient") -> None:
+    """Every tensor equal bit for bit (``torch.equal``), None where the other is None."""
+    assert len(actual) == len(expected), f"{what}: {len(actual)} vs {len(expected)} tensors"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if a is None or e is None:
+            assert a is None and e is None, f"{what} {i}: one side is None"
+            continue
+        assert a.dtype == e.dtype and a.shape == e.shape, f"{what} {i}: metadata differs"
+        assert torch.equal(a, e), (
+            f"{what} {i} differs: max abs diff {(a.double() - e.double()).abs().max().item()}"
+        )
+
+
+def grads(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Clones of ``.grad`` of each tensor (None where there is none)."""
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+@contextlib.contextmanager
+def maybe_autocast(enabled: bool) -> Iterator[None]:
+    """CPU bf16 autocast when ``enabled``, else nothing."""
+    if enabled:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+    else:
+        yield
+
+
+def saved_hooks_stack_empty() -> bool:
+    """True when no saved-tensor default hooks are pushed on this thread."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.fixture
+def no_hooks_left_behind() -> Iterator[None]:
+    """The test must leave the saved-tensor hooks stack empty, as it found it.
+
+    Opt in per module: ``pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")``.
+    """
+    assert saved_hooks_stack_empty()
+    yield
+    assert saved_hooks_stack_empty(), "a test left saved-tensor hooks pushed"

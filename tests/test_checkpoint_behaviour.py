@@ -1,0 +1,254 @@
+"""Behaviour of ``ckptfx.checkpoint`` beyond one forward+backward, compared with torch's.
+
+Repeated backward, unpack outside backward, no_grad/inference_mode, per-call early stop,
+RNG and autocast handling, worker-thread backward, the torch.compile fallback, and leaks.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+
+import ckptfx
+from ckptfx import _compat
+from conftest import Counted, assert_bitwise, grads, maybe_autocast, run_variant
+
+pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
+
+CHECKPOINTED = ("torch", "ckptfx")
+
+
+def _dropout_block(w: torch.Tensor) -> Counted:
+    return Counted(lambda x: F.dropout((x * w).sin(), 0.5, training=True).exp())
+
+
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_retain_graph_replays_each_backward(variant: str) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    block = _dropout_block(w)
+    state = torch.get_rng_state()
+    expected = torch.autograd.grad(block.fn(x).sum(), [x, w])  # not counted
+    torch.set_rng_state(state)
+    loss = run_variant(variant, block, x).sum()
+    assert block.calls == 1
+    for n in (2, 3, 4):
+        got = torch.autograd.grad(loss, [x, w], retain_graph=True)
+        assert block.calls == n
+        assert_bitwise(got, expected)
+
+
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_unpack_outside_backward_replays_each_access(variant: str) -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    block = Counted(lambda x: (x * 2).sin())
+    out = run_variant(variant, block, x)
+    first = out.grad_fn._saved_self  # sin saved its input, x * 2
+    assert block.calls == 2
+    second = out.grad_fn._saved_self
+    assert block.calls == 3
+    assert torch.equal(first, x * 2) and torch.equal(second, x * 2)
+    out.sum().backward()  # the backward still works, with its own replay
+    assert block.calls == 4
+    assert torch.equal(x.grad, 2 * (x * 2).cos())
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_no_grad_runs_once_and_saves_nothing(variant: str, mode: str) -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    block = Counted(lambda x: x.sin().cos())
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ckptfx.recompute_handle_collector_ctx() as handles, ctx:
+        out = run_variant(variant, block, x)
+    assert block.calls == 1
+    assert not out.requires_grad and out.grad_fn is None
+    assert torch.equal(out, x.detach().sin().cos())
+    assert handles == []  # no frame was made
+
+
+def _tail_counting_block():
+    """A block whose Python code after its last saving op counts how far a replay got."""
+    tail = Counted(lambda: None)
+
+    def block(x):
+        y = x.sin()  # the last (and only) op that saves a tensor
+        z = y + 1  # an early-stopped replay ends here, at the next torch call
+        tail()
+        return z
+
+    return block, tail
+
+
+@pytest.mark.parametrize("torch_global", [True, False])
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_early_stop_is_per_call(early_stop: bool, torch_global: bool) -> None:
+    block, tail = _tail_counting_block()
+    x = torch.randn(4, requires_grad=True)
+    with torch_checkpoint.set_checkpoint_early_stop(torch_global):
+        ckptfx.checkpoint(block, x, early_stop=early_stop).sum().backward()
+    assert tail.calls == (1 if early_stop else 2)
+    assert torch.equal(x.grad, x.cos())
+
+
+def test_rng_moved_between_forward_and_backward() -> None:
+    # The replay uses the forward's RNG state, whatever the caller drew since; the caller's
+    # state after the backward is what it was before it.
+    torch.manual_seed(0)
+    w = torch.randn(8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    block = _dropout_block(w)
+    state = torch.get_rng_state()
+    expected = torch.autograd.grad(block.fn(x).sum(), [x, w])
+    torch.set_rng_state(state)
+    loss = ckptfx.checkpoint(block, x).sum()
+    torch.randn(100)  # the caller moves on
+    before = torch.get_rng_state()
+    got = torch.autograd.grad(loss, [x, w])
+    assert torch.equal(torch.get_rng_state(), before)
+    assert_bitwise(got, expected)
+
+
+def test_preserve_rng_state_false_does_not_restore() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, requires_grad=True)
+    masks = []
+
+    def block(x):
+        y = F.dropout(x, 0.5, training=True)
+        masks.append(y != 0)
+        return y.sin()
+
+    out = ckptfx.checkpoint(block, x, preserve_rng_state=False, determinism_check="none")
+    out.sum().backward()
+    # Without the restore the replay draws a fresh mask (so the gradient is not exact: that
+    # is what preserve_rng_state=True is for).
+    assert len(masks) == 2 and not torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_autocast_backward_outside_autocast(variant: str) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    dtypes = []
+
+    def block(x):
+        y = lin(x)
+        dtypes.append(y.dtype)
+        return F.gelu(y)
+
+    with maybe_autocast(True):
+        ref = block(x)
+    expected = torch.autograd.grad(ref.float().sum(), [x, *lin.parameters()])
+    with maybe_autocast(True):
+        out = run_variant(variant, block, x)
+    got = torch.autograd.grad(out.float().sum(), [x, *lin.parameters()])  # no autocast here
+    assert dtypes == [torch.bfloat16] * 3  # the replay ran in the forward's dtype
+    assert_bitwise(got, expected)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_backward_on_worker_thread(autocast: bool) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    block = _dropout_block(w)
+    state = torch.get_rng_state()
+    with maybe_autocast(autocast):
+        expected_loss = block.fn(x).float().sum()
+    expected = torch.autograd.grad(expected_loss, [x, w])
+    torch.set_rng_state(state)
+    with maybe_autocast(autocast):
+        loss = ckptfx.checkpoint(block, x).float().sum()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            loss.backward()
+        except BaseException as err:  # reported on the main thread below
+            errors.append(err)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert errors == []
+    assert block.calls == 2
+    assert_bitwise(grads([x, w]), list(expected))
+
+
+def test_compile_falls_back_to_torch_checkpoint() -> None:
+    graphs: list[str] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    def block(x, *, w):
+        return (x.sin() * w).cos()
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def compiled(x, w):
+        return ckptfx.checkpoint(block, x, w=w)
+
+    x = torch.randn(4, requires_grad=True)
+    w = torch.randn(4, requires_grad=True)
+    got = torch.autograd.grad(compiled(x, w).sum(), [x, w])
+    expected = torch.autograd.grad(block(x, w=w).sum(), [x, w])
+    assert_bitwise(got, expected)
+    assert len(graphs) == 1 and "tag_activation_checkpoint" in graphs[0]
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["checkpoint", "checkpoint_wrapper"])
+def test_is_compiling_branch_calls_torch_checkpoint(monkeypatch, wrapped: bool) -> None:
+    calls = []
+    real = torch_checkpoint.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        calls.append(kwargs)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(_compat, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch_checkpoint, "checkpoint", spy)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    if wrapped:
+        out = ckptfx.checkpoint_wrapper(lin, early_stop=False)(x)
+    else:
+        out = ckptfx.checkpoint(lin, x, early_stop=False)
+    assert len(calls) == 1
+    assert calls[0]["use_reentrant"] is False and calls[0]["early_stop"] is False
+    assert "context_fn" not in calls[0]  # dynamo refuses torch's noop_context_fn passed in
+    assert torch.equal(out, torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_no_leak_after_graph_freed(retain_graph: bool) -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    replayed: list[weakref.ref] = []
+
+    def block(x):
+        h = (x * 2).exp()  # exp saves its output: h is a saved (then replayed) tensor
+        replayed.append(weakref.ref(h))
+        return h.sin()
+
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = ckptfx.checkpoint(block, x)
+    frame = weakref.ref(handles[0].frame)
+    out.sum().backward(retain_graph=retain_graph)
+    gc.collect()
+    # The replayed tensors are handed out once and dropped, even while the graph lives.
+    assert len(replayed) == 2 and all(r() is None for r in replayed)
+    if retain_graph:
+        assert frame() is not None  # the retained graph still holds it
+    del out
+    gc.collect()
+    assert frame() is None
+    assert handles[0].frame is None

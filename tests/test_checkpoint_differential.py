@@ -1,0 +1,406 @@
+"""Differential suite: each block under no checkpoint, torch's checkpoint and ckptfx.
+
+For every block, in fp32 and under CPU bf16 autocast (backward run outside autocast):
+gradients of ckptfx are bitwise equal to no checkpoint (``torch.equal``), the block runs as
+many times as under torch's non-reentrant checkpoint, and the backward leaves the caller's
+RNG state where the forward left it. Where torch 2.13 is wrong (``nn.RReLU`` as the last op
+under early_stop) the test says so and checks that ckptfx is right.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+import ckptfx
+from conftest import VARIANTS, Counted, assert_bitwise, checkpoint_fn, grads, maybe_autocast, \
+    run_variant
+
+pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
+
+D = 8  # feature size: small on purpose
+
+
+# -- blocks --------------------------------------------------------------------------------
+# Each builder gets the checkpoint callable of the variant (for blocks that checkpoint inside
+# themselves) and returns (block, args, kwargs, leaves). It is called under a fixed seed, so
+# every variant sees the same parameters and inputs.
+
+
+def _x(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, requires_grad=True)
+
+
+def build_mlp(ck):
+    mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+    x = _x(4, D)
+    return mlp, (x,), {}, [x, *mlp.parameters()]
+
+
+def build_attention(ck):
+    layer = nn.TransformerEncoderLayer(D, nhead=2, dim_feedforward=2 * D, dropout=0.1,
+                                       batch_first=True)
+    layer.train()
+    x = _x(2, 5, D)
+    return layer, (x,), {}, [x, *layer.parameters()]
+
+
+def build_layer_norm(ck):
+    w, b = _x(D), _x(D)
+    x = _x(4, D)
+    return (lambda x: F.layer_norm(x * 2, (D,), w, b).tanh()), (x,), {}, [x, w, b]
+
+
+def build_dropout(ck):
+    w = _x(D)
+    x = _x(4, D)
+    return (lambda x: F.dropout(x.sin(), 0.5, training=True) * w), (x,), {}, [x, w]
+
+
+def build_rrelu_mid(ck):
+    act, lin = nn.RReLU(0.1, 0.3), nn.Linear(D, D)
+    x = _x(4, D)
+    return (lambda x: lin(act(x * 1.5))), (x,), {}, [x, *lin.parameters()]
+
+
+def build_rrelu_last(ck):
+    # rrelu_with_noise saves its noise buffer before filling it: an early stop at the pack of
+    # that buffer (torch 2.13) hands out an unfilled buffer.
+    lin, act = nn.Linear(D, D), nn.RReLU(0.1, 0.3)
+    x = _x(4, D)
+    return (lambda x: act(lin(x))), (x,), {}, [x, *lin.parameters()]
+
+
+def build_inplace(ck):
+    w = _x(D)
+    x = _x(4, D)
+
+    def block(x):
+        y = x * 2
+        y.add_(1).mul_(w)
+        y = y.exp() * 0.1  # exp saves its output; the mul makes a fresh tensor to mutate
+        y.mul_(x)
+        return y.relu_()
+
+    return block, (x,), {}, [x, w]
+
+
+def build_views(ck):
+    w = _x(D, D)
+    x = _x(4, D)
+
+    def block(x):
+        y = x.t()[1:].reshape(-1)  # non-contiguous view, then a copy
+        z = (x @ w).view(2, 2, D).transpose(0, 1)
+        return z.narrow(2, 0, D // 2).exp() * y[: D // 2].sin()
+
+    return block, (x,), {}, [x, w]
+
+
+def build_multi_out(ck):
+    w = _x(D)
+    x, y = _x(4, D), _x(4, D)
+    return (lambda x, y: ((x * w).sin(), 3, (y.cos() * x, "tag"), None)), (x, y), {}, [x, y, w]
+
+
+def build_dict_out(ck):
+    w = _x(D)
+    x = _x(4, D)
+    return (lambda x: {"a": (x * w).tanh(), "b": [x.exp(), {"c": x.sigmoid() * w}],
+                       "n": 1.5}), (x,), {}, [x, w]
+
+
+def build_kwargs(ck):
+    w, bias = _x(D), _x(D)
+    x = _x(4, D)
+
+    def block(x, *, scale, bias, mode="sin"):
+        y = (x * w * scale).sin() if mode == "sin" else x.cos()
+        return y * bias + bias.exp()
+
+    return block, (x,), {"scale": 0.5, "bias": bias, "mode": "sin"}, [x, w, bias]
+
+
+def build_backward_inside(ck):
+    w = _x(D)
+    x = _x(4, D)
+
+    def block(x):
+        # A gradient taken inside the block: the block's own graph is run backward during
+        # its forward (and again during the replay).
+        y = (x * w).sin()
+        (g,) = torch.autograd.grad(y.sum(), w, create_graph=True)
+        return y * g
+
+    return block, (x,), {}, [x, w]
+
+
+CASES: dict[str, Callable[..., Any]] = {
+    "mlp": build_mlp,
+    "attention": build_attention,
+    "layer_norm": build_layer_norm,
+    "dropout": build_dropout,
+    "rrelu_mid": build_rrelu_mid,
+    "rrelu_last": build_rrelu_last,
+    "inplace": build_inplace,
+    "views": build_views,
+    "multi_out": build_multi_out,
+    "dict_out": build_dict_out,
+    "kwargs": build_kwargs,
+    "backward_inside": build_backward_inside,
+}
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """A fixed random projection of every tensor in ``out`` (a pytree), summed.
+
+    The cotangents come from a private generator, so the caller's RNG does not move.
+    """
+    gen = torch.Generator().manual_seed(123)
+    total = torch.zeros(())
+    for leaf in optree.tree_leaves(out, none_is_leaf=False):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            total = total + (leaf.float() * torch.randn(leaf.shape, generator=gen)).sum()
+    return total
+
+
+def run_case(name: str, variant: str, autocast: bool, **options: Any):
+    """Forward + backward of one case; returns (grads, out, block calls, rng moved?)."""
+    torch.manual_seed(0)
+    fn, args, kwargs, leaves = CASES[name](checkpoint_fn(variant))
+    block = Counted(fn)
+    with maybe_autocast(autocast):
+        out = run_variant(variant, block, *args, **kwargs,
+                          **{f"ckpt_{k}": v for k, v in options.items()})
+        loss = _loss(out)
+    rng_after_forward = torch.get_rng_state()
+    loss.backward()  # outside autocast, as in a training loop
+    rng_moved = not torch.equal(rng_after_forward, torch.get_rng_state())
+    return grads(leaves), out, block.calls, rng_moved
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_differential(name: str, autocast: bool) -> None:
+    results = {v: run_case(name, v, autocast) for v in VARIANTS}
+    g_plain, out_plain, calls_plain, _ = results["plain"]
+    g_ck, out_ck, calls_ck, rng_moved_ck = results["ckptfx"]
+    g_torch, _, calls_torch, rng_moved_torch = results["torch"]
+
+    assert_bitwise(g_ck, g_plain)
+    assert calls_plain == 1
+    # backward_inside: the gradient taken during the forward already replays the block once.
+    assert calls_ck == calls_torch == (3 if name == "backward_inside" else 2)
+    assert not rng_moved_ck and not rng_moved_torch
+    # Outputs (structure, non-tensors and values) are those of the plain call.
+    assert optree.tree_structure(out_ck, none_is_leaf=True) == optree.tree_structure(
+        out_plain, none_is_leaf=True)
+    for a, b in zip(optree.tree_leaves(out_ck, none_is_leaf=True),
+                    optree.tree_leaves(out_plain, none_is_leaf=True)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    if name == "rrelu_last":
+        # Documents the reference: torch 2.13's early stop hands out RReLU's noise buffer
+        # before it is filled, so its gradients differ from no checkpoint.
+        assert any(not torch.equal(a, b) for a, b in zip(g_torch, g_plain) if a is not None)
+    else:
+        assert_bitwise(g_torch, g_plain, "torch's gradient")
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("name", ["rrelu_last", "dropout", "inplace"])
+def test_early_stop_never_changes_gradients(name: str, early_stop: bool) -> None:
+    g_plain = run_case(name, "plain", False)[0]
+    g_ck, _, calls, _ = run_case(name, "ckptfx", False, early_stop=early_stop)
+    assert_bitwise(g_ck, g_plain)
+    assert calls == 2
+
+
+# -- nested checkpoints --------------------------------------------------------------------
+
+
+def _nested_run(variant: str, autocast: bool):
+    torch.manual_seed(0)
+    ck = checkpoint_fn(variant)
+    w = _x(D)
+    x = _x(4, D)
+    inner = Counted(lambda h: F.dropout(h.sin() * w, 0.3, training=True).cos())
+
+    def outer_fn(x):
+        h = (x * 2).tanh()
+        return ck(inner, h).exp() * h
+
+    outer = Counted(outer_fn)
+    with maybe_autocast(autocast):
+        loss = _loss(ck(outer, x))
+    loss.backward()
+    return grads([x, w]), outer.calls, inner.calls
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_nested_checkpoints(autocast: bool) -> None:
+    g_plain, *_ = _nested_run("plain", autocast)
+    g_torch, outer_t, inner_t = _nested_run("torch", autocast)
+    g_ck, outer_c, inner_c = _nested_run("ckptfx", autocast)
+    assert_bitwise(g_ck, g_plain)
+    assert_bitwise(g_torch, g_plain, "torch's gradient")
+    assert (outer_t, inner_t) == (2, 3)  # the reference, measured
+    assert (outer_c, inner_c) == (outer_t, inner_t)
+
+
+# -- selective activation checkpointing (torch's SAC contexts through context_fn) ----------
+
+
+def _save_mm_policy(ctx, op, *args, **kwargs):
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _prefer_save_policy(ctx, op, *args, **kwargs):
+    return (torch_checkpoint.CheckpointPolicy.PREFER_SAVE
+            if op is torch.ops.aten.sin.default
+            else torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+SAC_POLICIES = {
+    "save_mm_fn": _save_mm_policy,
+    "save_mm_list": [torch.ops.aten.mm.default, torch.ops.aten.addmm.default],
+    "prefer_save_sin": _prefer_save_policy,
+}
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ATen ops that actually run (SAC-cached ones never reach this mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _sac_run(variant: str, policy: Any, autocast: bool):
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+    x = _x(4, D)
+    block = Counted(lambda x: lin2(F.dropout(lin1(x).sin(), 0.2, training=True)).relu())
+    opts = {}
+    if policy is not None:
+        opts["ckpt_context_fn"] = functools.partial(
+            torch_checkpoint.create_selective_checkpoint_contexts, policy)
+    with maybe_autocast(autocast):
+        loss = _loss(run_variant(variant, block, x, **opts))
+    with _OpCounter() as ops:
+        loss.backward()
+    return grads([x, *lin1.parameters(), *lin2.parameters()]), block.calls, ops.counts
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("policy", list(SAC_POLICIES))
+def test_selective_checkpoint_policies(policy: str, autocast: bool) -> None:
+    g_plain, _, _ = _sac_run("plain", None, autocast)
+    g_torch, calls_t, ops_t = _sac_run("torch", SAC_POLICIES[policy], autocast)
+    g_ck, calls_c, ops_c = _sac_run("ckptfx", SAC_POLICIES[policy], autocast)
+    _, _, ops_full = _sac_run("ckptfx", None, autocast)
+    assert_bitwise(g_ck, g_plain)
+    assert_bitwise(g_torch, g_plain, "torch's gradient")
+    assert calls_c == calls_t == 2
+    assert ops_c == ops_t  # the same ops recomputed, the same ones served from the cache
+    saved_op = "aten.sin" if policy == "prefer_save_sin" else (
+        "aten.addmm" if "aten.addmm" in ops_full else "aten.mm")
+    assert ops_c.get(saved_op, 0) < ops_full[saved_op]  # the policy did save something
+
+
+def test_selective_checkpoint_second_backward_same_error_as_torch() -> None:
+    # Each SAC cache entry is single-use: a retain_graph second backward is refused alike.
+    errors = {}
+    for variant in ("torch", "ckptfx"):
+        torch.manual_seed(0)
+        lin = nn.Linear(D, D)
+        x = _x(4, D)
+        ctx_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
+                                   _save_mm_policy)
+        loss = run_variant(variant, lambda x: lin(x).sin(), x, ckpt_context_fn=ctx_fn).sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError) as info:
+            loss.backward()
+        errors[variant] = info
+    assert type(errors["ckptfx"].value) is type(errors["torch"].value)
+    assert "backward an extra time" in str(errors["ckptfx"].value)
+
+
+# -- checkpoint_wrapper ---------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.ff = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Dropout(0.1),
+                                nn.Linear(2 * D, D))
+
+    def forward(self, x: torch.Tensor, *, gate: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.ff(self.norm(x))
+        return x + (y if gate is None else y * gate)
+
+
+def _wrapper_run(variant: str, autocast: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block())
+    names_before = [n for n, _ in model.named_parameters()]
+    keys_before = list(model.state_dict())
+    if variant == "ckptfx":
+        for block in model:
+            ckptfx.checkpoint_wrapper(block)
+        assert [n for n, _ in model.named_parameters()] == names_before
+        assert list(model.state_dict()) == keys_before
+        assert all(isinstance(b, _Block) for b in model)
+    x = _x(4, D)
+    gate = _x(D)
+    with maybe_autocast(autocast):
+        h = x
+        for block in model:
+            if variant == "torch":
+                h = torch_checkpoint.checkpoint(block, h, use_reentrant=False, gate=gate)
+            else:
+                h = block(h, gate=gate)
+        loss = _loss(h)
+    loss.backward()
+    return grads([x, gate, *model.parameters()])
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_checkpoint_wrapper(autocast: bool) -> None:
+    g_plain = _wrapper_run("plain", autocast)
+    g_torch = _wrapper_run("torch", autocast)
+    g_ck = _wrapper_run("ckptfx", autocast)
+    assert_bitwise(g_ck, g_plain)
+    assert_bitwise(g_torch, g_plain, "torch's gradient")
+
+
+def test_checkpoint_wrapper_replays_once_per_backward() -> None:
+    torch.manual_seed(0)
+    block = _Block()
+    calls = Counted(lambda: None)
+    block.register_forward_pre_hook(lambda m, a: calls())  # runs on the wrapper's call only
+    inner_calls = Counted(block.ff.forward)
+    block.ff.forward = inner_calls
+    ckptfx.checkpoint_wrapper(block)
+    block(_x(4, D)).sum().backward()
+    assert calls.calls == 1  # module hooks are not re-run by the replay
+    assert inner_calls.calls == 2  # the forward ran, then one replay
+    ckptfx.unwrap_checkpoint(block)
+    assert type(block) is _Block
+    block(_x(4, D)).sum().backward()
+    assert inner_calls.calls == 3

@@ -1,0 +1,231 @@
+"""Errors of ``ckptfx.checkpoint``: bad input, replay mismatches, misuse, failed forwards.
+
+Bad input raises ValueError/TypeError naming the argument and leaves nothing behind. A replay
+that differs from the forward raises ``ckptfx.CheckpointError`` (a subclass of torch's), as
+torch's checkpoint does for the same misuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import ckptfx
+from conftest import Counted, run_variant, saved_hooks_stack_empty
+
+pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
+
+CHECKPOINTED = ("torch", "ckptfx")
+
+
+def _custom_ctx_fn():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+BAD_OPTIONS = [
+    # (options, exception type, words the message must contain)
+    ({"early_stop": "yes"}, TypeError, ("early_stop", "bool")),
+    ({"early_stop": 1}, TypeError, ("early_stop", "bool")),
+    ({"preserve_rng_state": None}, TypeError, ("preserve_rng_state", "bool")),
+    ({"debug": "on"}, TypeError, ("debug", "bool")),
+    ({"determinism_check": "strict"}, ValueError, ("determinism_check", "'default'", "'none'")),
+    ({"determinism_check": None}, ValueError, ("determinism_check",)),
+    ({"context_fn": None}, TypeError, ("context_fn", "callable")),
+    ({"context_fn": (contextlib.nullcontext(), contextlib.nullcontext())}, TypeError,
+     ("context_fn", "callable")),
+    ({"debug": True, "context_fn": _custom_ctx_fn}, ValueError, ("debug=True", "context_fn")),
+    ({"use_reentrant": True}, ValueError, ("use_reentrant", "non-reentrant")),
+]
+
+
+@pytest.mark.parametrize("options,exc,words", BAD_OPTIONS,
+                         ids=[",".join(f"{k}={v!r}"[:30] for k, v in o.items())
+                              for o, _, _ in BAD_OPTIONS])
+def test_bad_options(options, exc, words) -> None:
+    block = Counted(torch.sin)
+    x = torch.randn(3, requires_grad=True)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        with pytest.raises(exc) as info:
+            ckptfx.checkpoint(block, x, **options)
+    for word in words:
+        assert word in str(info.value)
+    assert block.calls == 0 and handles == []  # refused before anything ran or was made
+    # ... and the next call works.
+    ckptfx.checkpoint(block, x).sum().backward()
+    assert block.calls == 2 and torch.equal(x.grad, x.cos())
+
+
+@pytest.mark.parametrize("options", [{"determinism_check": "strict"}, {"context_fn": None},
+                                     {"debug": True, "context_fn": _custom_ctx_fn}])
+def test_bad_options_same_type_as_torch(options) -> None:
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(Exception) as from_torch:
+        torch_checkpoint.checkpoint(torch.sin, x, use_reentrant=False, **options)
+    with pytest.raises(Exception) as from_ckptfx:
+        ckptfx.checkpoint(torch.sin, x, **options)
+    assert type(from_ckptfx.value) is type(from_torch.value)
+
+
+@pytest.mark.parametrize("function", [3, None, "sin"])
+def test_non_callable_function(function) -> None:
+    with pytest.raises(TypeError, match="function must be callable"):
+        ckptfx.checkpoint(function, torch.randn(3, requires_grad=True))
+
+
+@pytest.mark.parametrize("module,options,exc,word", [
+    (torch.sin, {}, TypeError, "module"),
+    (torch.nn.Linear(2, 2), {"use_reentrant": True}, ValueError, "use_reentrant"),
+    (torch.nn.Linear(2, 2), {"early_stop": "no"}, TypeError, "early_stop"),
+    (torch.nn.Linear(2, 2), {"preserve_rng": True}, TypeError, "preserve_rng"),
+])
+def test_checkpoint_wrapper_bad_input(module, options, exc, word) -> None:
+    before = type(module)
+    with pytest.raises(exc, match=word):
+        ckptfx.checkpoint_wrapper(module, **options)
+    assert type(module) is before  # left as it was
+
+
+# -- replay mismatches ----------------------------------------------------------------------
+
+
+def _dtype_flipping_block():
+    """Saves x (position 0), then h twice (positions 1, 2); the replay's h is float64.
+
+    Autograd casts a gradient back to its input's dtype, so with the check off the backward
+    still gives the exact gradient: only the check can notice.
+    """
+    block = Counted(None)
+
+    def fn(x):
+        a = x.sin()
+        h = x.to(torch.float32 if block.calls == 1 else torch.float64)
+        return a.sum() + (h * h).sum().float()
+
+    block.fn = fn
+    return block
+
+
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_determinism_check_default_names_position(variant: str) -> None:
+    x = torch.randn(4, requires_grad=True)
+    loss = run_variant(variant, _dtype_flipping_block(), x)
+    with pytest.raises(torch_checkpoint.CheckpointError) as info:
+        loss.backward()
+    if variant == "ckptfx":
+        assert isinstance(info.value, ckptfx.CheckpointError)
+        message = str(info.value)
+        assert "position 1" in message and "float32" in message and "float64" in message
+        assert "debug=True" in message  # says what to try next
+
+
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_determinism_check_none_disables(variant: str) -> None:
+    x = torch.randn(4, requires_grad=True)
+    block = _dtype_flipping_block()
+    run_variant(variant, block, x, ckpt_determinism_check="none").backward()
+    assert block.calls == 2
+    assert torch.equal(x.grad, x.detach().cos() + 2 * x.detach())
+
+
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_replay_saves_a_different_number_of_tensors(variant: str) -> None:
+    x = torch.randn(4, requires_grad=True)
+    block = Counted(None)
+    block.fn = lambda x: (x.sin().exp() if block.calls == 1 else x.sin()).sum()
+    loss = run_variant(variant, block, x, ckpt_early_stop=False)
+    with pytest.raises(torch_checkpoint.CheckpointError) as info:
+        loss.backward()
+    if variant == "ckptfx":
+        assert isinstance(info.value, ckptfx.CheckpointError)
+        assert "different number of tensors" in str(info.value)
+
+
+def test_debug_error_has_op_traces() -> None:
+    x = torch.randn(4, requires_grad=True)
+    loss = ckptfx.checkpoint(_dtype_flipping_block(), x, debug=True)
+    with pytest.raises(ckptfx.CheckpointError) as info:
+        loss.backward()
+    message = str(info.value)
+    assert "position 1" in message
+    assert "Ops of the original forward" in message and "Ops of the replay" in message
+    forward_part, replay_part = message.split("Ops of the replay")
+    assert "aten.sin" in forward_part and "aten.sin" in replay_part
+    assert "test_checkpoint_errors.py" in forward_part  # each op names the user's line
+
+
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_second_unpack_in_one_backward(variant: str) -> None:
+    class ReadsTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (a,) = ctx.saved_tensors
+            (b,) = ctx.saved_tensors
+            return g * 2
+
+    x = torch.randn(4, requires_grad=True)
+    loss = run_variant(variant, lambda x: ReadsTwice.apply(x.sin()), x).sum()
+    with pytest.raises(torch_checkpoint.CheckpointError) as info:
+        loss.backward()
+    if variant == "ckptfx":
+        assert isinstance(info.value, ckptfx.CheckpointError)
+        assert "second time" in str(info.value)
+
+
+# -- a forward that raises leaves nothing behind ------------------------------------------------
+
+
+def _raising_flat(ck, x):
+    return ck(lambda x: x.sin() * (1 / 0), x)
+
+
+def _raising_nested(ck, x):
+    return ck(lambda x: ck(lambda h: h.exp() + int("not a number"), x.sin()), x)
+
+
+class _Failing(contextlib.AbstractContextManager):
+    def __exit__(self, *exc):
+        return None
+
+    def __enter__(self):
+        raise KeyError("forward context failed")
+
+
+def _raising_context(ck, x):
+    return ck(torch.sin, x, context_fn=lambda: (_Failing(), contextlib.nullcontext()))
+
+
+@pytest.mark.parametrize("raiser,exc", [(_raising_flat, ZeroDivisionError),
+                                        (_raising_nested, ValueError),
+                                        (_raising_context, KeyError)],
+                         ids=["flat", "nested", "context_fn"])
+def test_forward_that_raises_leaves_nothing(raiser, exc) -> None:
+    x = torch.randn(4, requires_grad=True)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        with pytest.raises(exc):
+            raiser(ckptfx.checkpoint, x)
+    assert saved_hooks_stack_empty()
+    assert handles == []
+    # The next call works normally (and its tensors are not packed into the failed frame).
+    block = Counted(lambda x: (x * 3).sin())
+    ckptfx.checkpoint(block, x).sum().backward()
+    assert block.calls == 2 and torch.equal(x.grad, 3 * (x * 3).cos())
+
+
+def test_forward_context_that_swallows_the_error() -> None:
+    class Swallow(contextlib.AbstractContextManager):
+        def __exit__(self, *exc):
+            return True
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="suppressed an exception"):
+        ckptfx.checkpoint(lambda x: x.sin() / 0 + [], x,
+                          context_fn=lambda: (Swallow(), contextlib.nullcontext()))
+    assert saved_hooks_stack_empty()

@@ -1,0 +1,293 @@
+"""Scheduled recomputation across real threads.
+
+Autograd may unpack saved tensors on a thread that never saw the caller's context (CUDA and
+NPU device threads do). Here dx and dw run in fresh ``threading.Thread``s (no context copied),
+and the session must still be found: two block runs, gradients bitwise equal to no checkpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ckptfx
+
+D, H, B = 8, 16, 4
+AUTOCAST = [None, torch.bfloat16]
+
+
+class Block(nn.Module):
+    """A residual MLP with dropout; ``runs`` counts forward calls, per thread too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, H), nn.Linear(H, D)
+        self.runs = 0
+        self.threads: list[str] = []
+        self._lock = threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            self.runs += 1
+            self.threads.append(threading.current_thread().name)
+        return x + self.fc2(F.dropout(F.gelu(self.fc1(x)), 0.25, self.training))
+
+
+def make_blocks(n: int = 2) -> list[Block]:
+    torch.manual_seed(0)
+    return [Block().train() for _ in range(n)]
+
+
+def params_of(blocks: list[Block]) -> list[torch.Tensor]:
+    return [p for b in blocks for p in b.parameters()]
+
+
+def autocast_ctx(dtype: torch.dtype | None) -> Any:
+    return (torch.autocast("cpu", dtype=dtype) if dtype is not None
+            else torch.autocast("cpu", enabled=False))
+
+
+def run_stack(blocks: list[Block], x: torch.Tensor, ckpt: bool) -> torch.Tensor:
+    for b in blocks:
+        x = ckptfx.checkpoint(b, x) if ckpt else b(x)
+    return x
+
+
+def inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, D, generator=g).requires_grad_(), torch.randn(B, D, generator=g)
+
+
+def reference(blocks: list[Block], x: torch.Tensor, g: torch.Tensor,
+              dtype: torch.dtype | None = None, seed: int = 1234) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    with autocast_ctx(dtype):
+        out = run_stack(blocks, x, False)
+    grads = list(torch.autograd.grad(out, [x, *params_of(blocks)], g))
+    for b in blocks:
+        b.runs, b.threads = 0, []
+    return grads
+
+
+def forward(blocks: list[Block], x: torch.Tensor, dtype: torch.dtype | None = None,
+            seed: int = 1234) -> tuple[torch.Tensor, list[ckptfx.RecomputeHandle]]:
+    torch.manual_seed(seed)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        with autocast_ctx(dtype):
+            out = run_stack(blocks, x, True)
+    return out, handles
+
+
+def in_thread(fn: Callable[[], Any], name: str) -> Any:
+    """Run ``fn`` in a fresh thread (no context copied); return its result or re-raise."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = err
+
+    t = threading.Thread(target=target, name=name)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"gradient {i} differs"
+
+
+@pytest.fixture(autouse=True)
+def no_sessions_left() -> Iterator[None]:
+    gc.collect()
+    for sid in list(ckptfx.recompute_session_stats()):
+        ckptfx.clear_recompute_session(sid)
+    yield
+    gc.collect()
+    for sid in list(ckptfx.recompute_session_stats()):
+        ckptfx.clear_recompute_session(sid)
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST)
+@pytest.mark.parametrize("per_param", [False, True])
+def test_dx_dw_in_fresh_threads_ctx_on_main(dtype: torch.dtype | None, per_param: bool) -> None:
+    """The session context is opened on the main thread around thread start/join."""
+    blocks = make_blocks()
+    params = params_of(blocks)
+    x, g = inputs()
+    want = reference(blocks, x, g, dtype)
+    out, handles = forward(blocks, x, dtype)
+    sid = ("stage", 0)
+    try:
+        for h in handles:
+            ckptfx.recompute_handle(h, sid)
+        with ckptfx.recompute_session_ctx(sid, retain_on_unpack=True):
+            got = list(in_thread(lambda: torch.autograd.grad(out, x, g, retain_graph=True),
+                                 "dx"))
+            if per_param:
+                got += [in_thread(lambda p=p: torch.autograd.grad(out, p, g, retain_graph=True),
+                                  f"dw-{i}")[0] for i, p in enumerate(params[:-1])]
+        with ckptfx.recompute_session_ctx(sid, retain_on_unpack=False):
+            last = params[-1:] if per_param else params
+            got += in_thread(lambda: torch.autograd.grad(out, last, g), "dw")
+    finally:
+        ckptfx.clear_recompute_session(sid)
+    assert [b.runs for b in blocks] == [2, 2]
+    assert all(name == "MainThread" for b in blocks for name in b.threads)  # fwd + prefire
+    assert_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST)
+@pytest.mark.parametrize("prefire", [True, False])
+def test_thread_opens_the_session_ctx_itself(dtype: torch.dtype | None, prefire: bool) -> None:
+    blocks = make_blocks()
+    params = params_of(blocks)
+    x, g = inputs()
+    want = reference(blocks, x, g, dtype)
+    out, handles = forward(blocks, x, dtype)
+    sid = "mb"
+
+    def dx() -> list[torch.Tensor]:
+        with ckptfx.recompute_session_ctx(sid, retain_on_unpack=True):
+            return list(torch.autograd.grad(out, x, g, retain_graph=True))
+
+    def dw() -> list[torch.Tensor]:
+        with ckptfx.recompute_session_ctx(sid, retain_on_unpack=False):
+            return list(torch.autograd.grad(out, params, g))
+
+    try:
+        if prefire:
+            for h in handles:
+                ckptfx.recompute_handle(h, sid)
+        got = in_thread(dx, "dx") + in_thread(dw, "dw")
+    finally:
+        ckptfx.clear_recompute_session(sid)
+    assert [b.runs for b in blocks] == [2, 2]
+    replayed_on = {b.threads[1] for b in blocks}
+    assert replayed_on == ({"MainThread"} if prefire else {"dx"})
+    assert_equal(got, want)
+
+
+def test_prefire_on_one_thread_dx_on_another_dw_on_main() -> None:
+    blocks = make_blocks()
+    x, g = inputs()
+    want = reference(blocks, x, g)
+    out, handles = forward(blocks, x)
+    try:
+        in_thread(lambda: [ckptfx.recompute_handle(h, 7) for h in handles], "prefire")
+        with ckptfx.recompute_session_ctx(7, retain_on_unpack=True):
+            got = list(in_thread(lambda: torch.autograd.grad(out, x, g, retain_graph=True),
+                                 "dx"))
+        with ckptfx.recompute_session_ctx(7, retain_on_unpack=False):
+            got += torch.autograd.grad(out, params_of(blocks), g)
+    finally:
+        ckptfx.clear_recompute_session(7)
+    assert [b.runs for b in blocks] == [2, 2]
+    assert [b.threads[1] for b in blocks] == ["prefire", "prefire"]
+    assert_equal(got, want)
+
+
+def test_prefire_inside_open_ctx_binds_for_worker_threads() -> None:
+    """Prefired while its session context is open: the frame is bound at once, so a dx on a
+    thread without the context still reads the prefire (bug found: it replayed again)."""
+    blocks = make_blocks()
+    x, g = inputs()
+    want = reference(blocks, x, g)
+    out, handles = forward(blocks, x)
+    try:
+        with ckptfx.recompute_session_ctx("in-ctx", retain_on_unpack=True):
+            for h in handles:
+                ckptfx.recompute_handle(h, "in-ctx")
+            got = list(in_thread(lambda: torch.autograd.grad(out, x, g, retain_graph=True),
+                                 "dx"))
+        with ckptfx.recompute_session_ctx("in-ctx", retain_on_unpack=False):
+            got += in_thread(lambda: torch.autograd.grad(out, params_of(blocks), g), "dw")
+    finally:
+        ckptfx.clear_recompute_session("in-ctx")
+    assert [b.runs for b in blocks] == [2, 2]
+    assert_equal(got, want)
+
+
+def test_unprefired_frames_on_foreign_thread_fall_back_to_native() -> None:
+    """Lazy discovery needs the context on the unpacking thread; without it the backward is
+    torch's (one replay per call) and still exact."""
+    blocks = make_blocks()
+    x, g = inputs()
+    want = reference(blocks, x, g)
+    out, _ = forward(blocks, x)
+    try:
+        with ckptfx.recompute_session_ctx("s", retain_on_unpack=True):
+            got = list(in_thread(lambda: torch.autograd.grad(out, x, g, retain_graph=True),
+                                 "dx"))
+        with ckptfx.recompute_session_ctx("s", retain_on_unpack=False):
+            got += in_thread(lambda: torch.autograd.grad(out, params_of(blocks), g), "dw")
+    finally:
+        ckptfx.clear_recompute_session("s")
+    assert [b.runs for b in blocks] == [3, 3]
+    assert_equal(got, want)
+
+
+def test_forward_on_a_thread_while_another_thread_holds_a_session() -> None:
+    blocks = make_blocks()
+    params = params_of(blocks)
+    (x0, g0), (x1, g1) = inputs(1), inputs(2)
+    want0 = reference(blocks, x0, g0, seed=10)
+    want1 = reference(blocks, x1, g1, seed=11)
+    out0, handles0 = forward(blocks, x0, seed=10)
+    for h in handles0:
+        ckptfx.recompute_handle(h, "held")
+    opened, done = threading.Event(), threading.Event()
+    box: dict[str, Any] = {}
+
+    def holder() -> None:
+        try:
+            with ckptfx.recompute_session_ctx("held", retain_on_unpack=True):
+                opened.set()
+                assert done.wait(timeout=60)
+                box["dx"] = list(torch.autograd.grad(out0, x0, g0, retain_graph=True))
+        except BaseException as err:  # noqa: BLE001
+            box["error"] = err
+            opened.set()
+
+    t = threading.Thread(target=holder, name="holder")
+    t.start()
+    try:
+        assert opened.wait(timeout=60)
+        # While "holder" has its session open: a new micro-batch's forward, and its own
+        # split backward under another session, on this thread.
+        out1, handles1 = forward(blocks, x1, seed=11)
+        assert len(handles1) == 2
+        try:
+            for h in handles1:
+                ckptfx.recompute_handle(h, "other")
+            with ckptfx.recompute_session_ctx("other", retain_on_unpack=True):
+                got1 = list(torch.autograd.grad(out1, x1, g1, retain_graph=True))
+            with ckptfx.recompute_session_ctx("other", retain_on_unpack=False):
+                got1 += torch.autograd.grad(out1, params, g1)
+        finally:
+            ckptfx.clear_recompute_session("other")
+    finally:
+        done.set()
+        t.join(timeout=60)
+    try:
+        if "error" in box:
+            raise box["error"]
+        with ckptfx.recompute_session_ctx("held", retain_on_unpack=False):
+            got0 = box["dx"] + list(torch.autograd.grad(out0, params, g0))
+    finally:
+        ckptfx.clear_recompute_session("held")
+    assert [b.runs for b in blocks] == [4, 4]
+    assert_equal(got0, want0)
+    assert_equal(got1, want1)
