@@ -92,3 +92,15 @@ def import_npu() -> bool:
         return False
     importlib.import_module("torch_npu")
     return True
+
+
+def reparametrize_module(module: Any, tensors: dict[str, Any]) -> Any:
+    """Context manager: ``module``'s parameters and buffers named in ``tensors`` replaced."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors)
+
+
+def is_saved_tensors_hooks_refusal(err: BaseException) -> bool:
+    """True for torch.func's refusal to run under saved-tensor hooks."""
+    return "don't yet support saved tensor hooks" in str(err)

@@ -24,6 +24,7 @@ import torch
 
 from . import _compat
 from .frame import CheckpointError, Frame, tls
+from .func import call_function_path
 from .session import collect
 from .trace import Tracer, reporting, residual_unpack_hook
 
@@ -163,10 +164,6 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     dyn_args, dyn_kwargs, static_pos, static_kw = _split_static(options, args, kwargs)
     if not torch.is_grad_enabled():
         return fun(*args, **kwargs)
-    if _compat.functorch_level() > 0:
-        # torch.func transforms disable saved-tensor hooks; the torch.func path (func.py)
-        # is not built yet, so the block runs plainly: exact gradients, no memory saving.
-        return fun(*args, **kwargs)
     if tls.scheduled_replay:
         raise CheckpointError(
             "ckptfx.remat: a remat'd block was called while a block was being replayed for a "
@@ -179,15 +176,21 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     for j in positions:
         leaves[j] = None  # the frame owns the tensors (saved inputs); the closure must not
 
-    def flat_fun(*ts: torch.Tensor) -> Any:
-        filled = list(leaves)
-        for j, t in zip(positions, ts):
-            filled[j] = t
-        a, k = optree.tree_unflatten(spec, filled)
+    def restore(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if static_pos:
             a = tuple(static_pos.get(i, v) for i, v in enumerate(a))
         if static_kw:
             k = {**k, **static_kw}
+        return a, k
+
+    if _compat.functorch_level() > 0:
+        return call_function_path(fun, options.policy, leaves, spec, positions, tensors, restore)
+
+    def flat_fun(*ts: torch.Tensor) -> Any:
+        filled = list(leaves)
+        for j, t in zip(positions, ts):
+            filled[j] = t
+        a, k = restore(*optree.tree_unflatten(spec, filled))
         return fun(*a, **k)
 
     flat_fun.__qualname__ = getattr(fun, "__qualname__", "remat")
@@ -198,7 +201,16 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     try:
         with tracer:
             out = flat_fun(*tensors)
-    finally:
+    except RuntimeError as err:
+        if not _compat.is_saved_tensors_hooks_refusal(err):
+            raise
+        # The block uses torch.func.grad/vjp inside, which refuses saved-tensor hooks: run it
+        # as one autograd.Function instead (same RNG start, so the same values).
+        _compat.pop_saved_tensors_hooks()
+        if frame.env.cpu_rng is not None:
+            torch.set_rng_state(frame.env.cpu_rng)
+        return call_function_path(fun, options.policy, leaves, spec, positions, tensors, restore)
+    else:
         _compat.pop_saved_tensors_hooks()
     tracer.finish()
     frame.forward_done = True
