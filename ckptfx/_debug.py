@@ -10,13 +10,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_MARKERS = (os.sep + "torch" + os.sep, os.sep + "contextlib.py")
+_USER_FILES_IN_PACKAGE = (os.path.join(_PACKAGE_DIR, "cli.py"),)  # the demo's blocks
 
 
 def user_call_site(skip_dirs: tuple[str, ...] = ()) -> str:
     """``file:line (function)`` of the innermost stack entry outside torch and ckptfx."""
     for entry in reversed(traceback.extract_stack()):
         name = entry.filename
-        if name.startswith(_PACKAGE_DIR) or any(m in name for m in _TORCH_MARKERS):
+        if (name.startswith(_PACKAGE_DIR) and name not in _USER_FILES_IN_PACKAGE) or any(
+                m in name for m in _TORCH_MARKERS):
             continue
         if skip_dirs and name.startswith(skip_dirs):
             continue
