@@ -37,6 +37,12 @@ Rules (the invariants the code below keeps; read these before changing it)
 7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
    a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
    and checks are the frame's.
+
+8. The generator state a replay restores is process-global, so replays that restore it run
+   one at a time (``_rng_lock``, re-entrant for nested replays on one thread). Two threads
+   replaying dropout blocks at once would otherwise draw each other's random numbers. (A
+   block that runs a backward inside itself on an accelerator may wait on an autograd device
+   thread that needs this lock: pass ``preserve_rng_state=False`` for such a block.)
 """
 
 from __future__ import annotations
@@ -97,6 +103,8 @@ class Holder:
         self.index = index
 
 
+_rng_lock = threading.RLock()  # Rule 8
+
 Replay = list  # position -> replayed tensor, None once handed out (or if its holder died)
 
 
@@ -106,7 +114,7 @@ class Frame:
     __slots__ = (
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
         "recompute_ctx", "debug", "replays", "active", "session",
-        "forward_done", "ignore_count", "__weakref__",
+        "forward_done", "ignore_count", "shared", "__weakref__",
     )
 
     def __init__(
@@ -142,6 +150,9 @@ class Frame:
         self.session: Any = None  # the one session registered on this frame, if any
         self.forward_done = False
         self.ignore_count = False
+        # Positions whose replayed tensor aliases an input or a parameter (costs no memory),
+        # found by the first function replay (None until then); read by session stats.
+        self.shared: frozenset[int] | None = None
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -162,8 +173,13 @@ class Frame:
         tensors: Replay = [None] * len(self.holders)
         outer = tls.scheduled_replay
         tls.scheduled_replay = scheduled
+        lock = _rng_lock if self.env.cpu_rng is not None or self.env.device_rng else None
         try:
-            self.rerun(self, tensors)
+            if lock is None:
+                self.rerun(self, tensors)
+            else:
+                with lock:
+                    self.rerun(self, tensors)
         except CheckpointError as err:
             if self.debug is not None:
                 self.debug.raise_with_logs(err)
@@ -252,9 +268,10 @@ def _take(replay: Replay, index: int, retain: bool, act: Any) -> torch.Tensor:
 class _Recorder:
     """Pack hook of a replay: files each saved tensor at its position and checks it."""
 
-    __slots__ = ("frame", "tensors", "count", "stop_at", "fn_modes", "stopper")
+    __slots__ = ("frame", "tensors", "count", "stop_at", "fn_modes", "stopper", "probe",
+                 "input_ids")
 
-    def __init__(self, frame: Frame, tensors: Replay) -> None:
+    def __init__(self, frame: Frame, tensors: Replay, inputs: list[Any]) -> None:
         self.frame = frame
         self.tensors = tensors
         self.count = 0
@@ -262,11 +279,16 @@ class _Recorder:
         self.stop_at = n if frame.early_stop and n else -1
         self.fn_modes = 0
         self.stopper: _StopAtNextCall | None = None
+        # First replay of the frame: note which saved tensors alias inputs or parameters.
+        self.probe: list[int] | None = [] if frame.shared is None else None
+        self.input_ids = {id(a) for a in inputs} if self.probe is not None else set()
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         frame = self.frame
         i = self.count
         self.count = i + 1
+        if self.probe is not None and _aliases_input_or_leaf(x, self.input_ids):
+            self.probe.append(i)
         if x.requires_grad:
             x = x.detach()
         if i >= len(self.tensors):
@@ -309,10 +331,16 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _aliases_input_or_leaf(x: torch.Tensor, input_ids: set[int]) -> bool:
+    base = x._base if x._base is not None else x
+    return id(base) in input_ids or id(x) in input_ids or (
+        base.requires_grad and base.grad_fn is None)
+
+
 def rerun_function(frame: Frame, tensors: Replay) -> None:
     """Replay strategy: run the block's Python function again under a recording hook."""
-    rec = _Recorder(frame, tensors)
     args = frame.saved_inputs()
+    rec = _Recorder(frame, tensors, args)
     ctx = frame.recompute_ctx if frame.recompute_ctx is not None else contextlib.nullcontext()
     _compat.push_saved_tensors_hooks(rec.pack, _identity)
     try:
@@ -326,6 +354,8 @@ def rerun_function(frame: Frame, tensors: Replay) -> None:
                 rec.disarm()
     finally:
         _compat.pop_saved_tensors_hooks()
+    if rec.probe is not None:
+        frame.shared = frozenset(rec.probe)
     if not frame.ignore_count and frame.forward_done and rec.count != len(tensors):
         raise CheckpointError(
             "ckptfx.checkpoint: a different number of tensors was saved during the original "

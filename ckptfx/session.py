@@ -355,8 +355,9 @@ def recompute_session_stats() -> dict[Hashable, SessionStats]:
                 if replay is None:
                     continue
                 replayed += 1
-                for t in replay:
-                    if t is not None:
+                shared = frame.shared or ()
+                for i, t in enumerate(replay):
+                    if t is not None and i not in shared:
                         tensors += 1
                         st = t.untyped_storage()
                         storages[st.data_ptr()] = st.nbytes()

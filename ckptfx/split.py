@@ -61,6 +61,8 @@ _inflight_lock = threading.Lock()
 # session key -> the split using it; a split that was dropped unfinished frees its key.
 _inflight: "weakref.WeakValueDictionary[Hashable, _Split]" = weakref.WeakValueDictionary()
 _key_counter = itertools.count()
+# Rule 4 on/off; benchmarks turn it off to measure what trimming saves.
+_trim_enabled = True
 
 
 class _SplitKey:
@@ -554,7 +556,8 @@ class _Split:
                             act.log = None
                     if self.session_obj is None and len(act.session.frames):
                         self.session_obj = act.session  # frames found lazily (no prefire)
-                    trim_session(act.session, log, keep)
+                    if _trim_enabled:
+                        trim_session(act.session, log, keep)
                     log.clear()
             finally:
                 for h in hooks:

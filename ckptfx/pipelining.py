@@ -1,0 +1,175 @@
+"""Zero-bubble pipelining that replays each checkpointed block once per micro-batch.
+
+``ckptfx.pipelining.PipelineStage`` is a drop-in for
+``torch.distributed.pipelining.PipelineStage`` (same constructor). With torch's own stage, a
+zero-bubble schedule's input step (I) and weight step (W) are separate backward calls, so every
+checkpointed block in the stage is replayed once for I and once per parameter group for W.
+This stage gives each (stage, micro-batch) one recompute session:
+
+1. forward (F): the checkpointed calls of the micro-batch are collected;
+2. input step (I): the session is prefired (each block replayed once), then torch's own input
+   step runs inside ``recompute_session_ctx(session, retain_on_unpack=True)``; when it ends,
+   the replayed tensors that only the input gradients needed are dropped (see ``ckptfx.split``);
+3. weight step (W): torch's own weight step runs in the same session (every parameter group
+   reads the one replay), and the session is cleared in a ``finally``.
+
+Full backward steps (B), the first stage (whose I step does nothing; its W step is one full
+backward) and stages built with ``dw_builder`` run natively: one backward call replays each
+block once anyway. Gradients are torch's own (the same ``stage_backward_input`` and
+``stage_backward_weight`` run), so they are bitwise equal to the same schedule without
+checkpointing.
+
+This module imports ``torch.distributed``; import it explicitly
+(``import ckptfx.pipelining``).
+
+Example::
+
+    from ckptfx.pipelining import PipelineStage
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    for block in model_chunk.blocks:
+        ckptfx.checkpoint_wrapper(block)
+    stages = [PipelineStage(chunk, idx, num_stages, device) for idx, chunk in my_chunks]
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=8, loss_fn=loss_fn)
+    schedule.step(x, target=y)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Hashable
+
+import torch.distributed.pipelining as _tpp
+
+from .frame import tls
+from .session import (
+    RecomputeHandle,
+    clear_recompute_session,
+    recompute_handle,
+    recompute_handle_collector_ctx,
+    recompute_session_ctx,
+)
+from . import split as _split
+from .split import trim_session, weight_pass_nodes
+
+__all__ = ["PipelineStage"]
+
+_stage_counter = itertools.count()
+
+
+class _StageKey:
+    """Part of every session id of one stage object, so two stages never share a session."""
+
+    __slots__ = ("n", "stage_index")
+
+    def __init__(self, stage_index: int) -> None:
+        self.n = next(_stage_counter)
+        self.stage_index = stage_index
+
+    def __repr__(self) -> str:
+        return f"<ckptfx stage {self.stage_index} #{self.n}>"
+
+
+class PipelineStage(_tpp.PipelineStage):
+    """``torch.distributed.pipelining.PipelineStage`` whose I and W steps share one replay.
+
+    Same constructor and behaviour as torch's stage; only the split backward of checkpointed
+    blocks changes (see the module docstring). ``session_id(mb)`` is the recompute session of
+    micro-batch ``mb`` of this stage, e.g. for ``ckptfx.recompute_session_stats()`` between
+    the I and W steps.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ckptfx_key = _StageKey(self.stage_index)
+        self._ckptfx_handles: dict[int, list[RecomputeHandle]] = {}
+        self._ckptfx_live: set[Hashable] = set()
+
+    def session_id(self, microbatch: int) -> Hashable:
+        """The recompute session id of ``microbatch`` on this stage."""
+        return (self._ckptfx_key, microbatch)
+
+    # -- F ------------------------------------------------------------------------------------
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with recompute_handle_collector_ctx() as handles:
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if handles:
+            self._ckptfx_handles[fwd_chunk_id] = handles
+        else:
+            self._ckptfx_handles.pop(fwd_chunk_id, None)
+        return out
+
+    # -- I (or B) -----------------------------------------------------------------------------
+
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: Any = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
+    ) -> None:
+        handles = self._ckptfx_handles.pop(bwd_chunk_id, None)
+        if (
+            full_backward
+            or not handles
+            or not self.has_backward
+            or self.dw_builder is not None
+            or self.is_first  # torch's I step does nothing there; W is one full backward
+        ):
+            return super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
+        sid = self.session_id(bwd_chunk_id)
+        if sid in self._ckptfx_live:  # a stale session of an earlier step: start clean
+            self._clear(sid)
+        self._ckptfx_live.add(sid)
+        log: list = []
+        try:
+            for h in handles:
+                recompute_handle(h, sid)
+            with recompute_session_ctx(sid, retain_on_unpack=True):
+                act = tls.activation
+                act.log = log
+                try:
+                    super().backward_one_chunk(
+                        bwd_chunk_id, loss=loss, full_backward=False, last_backward=last_backward
+                    )
+                finally:
+                    act.log = None
+            state = self.backward_state.get(bwd_chunk_id)
+            groups = state[1] if state is not None else None
+            if groups and _split._trim_enabled:
+                keep = weight_pass_nodes((g["intermediates"], g["params"]) for g in groups)
+                trim_session(act.session, log, keep)
+        except BaseException:
+            self._clear(sid)
+            raise
+        finally:
+            log.clear()
+
+    # -- W ------------------------------------------------------------------------------------
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        sid = self.session_id(bwd_chunk_id)
+        if sid not in self._ckptfx_live:
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        try:
+            with recompute_session_ctx(sid, retain_on_unpack=True):
+                super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        finally:
+            self._clear(sid)
+
+    # -- housekeeping -------------------------------------------------------------------------
+
+    def _clear(self, sid: Hashable) -> None:
+        self._ckptfx_live.discard(sid)
+        clear_recompute_session(sid)
+
+    def clear_runtime_states(self) -> None:
+        """torch's reset between steps; also drops this stage's handles and sessions."""
+        for sid in list(getattr(self, "_ckptfx_live", ())):
+            self._clear(sid)
+        if hasattr(self, "_ckptfx_handles"):
+            self._ckptfx_handles.clear()
+        super().clear_runtime_states()

@@ -1,0 +1,633 @@
+"""vjp_split and grad_split: dx and dw as two functions sharing one replay.
+
+Every parity test compares with ``torch.autograd.grad`` of the same function without any
+checkpoint, bit for bit (``torch.equal``), in fp32 and under CPU bf16 autocast, with dropout.
+Block runs are counted by a counter inside the block.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as tcp
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import ckptfx
+
+from conftest import assert_bitwise, maybe_autocast
+
+pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
+
+D, H = 8, 16
+AUTOCAST = [False, True]
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP with dropout; ``runs`` counts forward calls (forward + replays)."""
+
+    def __init__(self, d: int = D, h: int = H, p: float = 0.25) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
+        self.p = p
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return x + self.fc2(F.dropout(F.gelu(self.fc1(self.ln(x))), self.p, True))
+
+
+class Stack(nn.Module):
+    """Blocks run under a chosen checkpoint: "plain", "torch" or "ckptfx"."""
+
+    def __init__(self, n: int = 3, variant: str = "ckptfx") -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.variant = variant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            if self.variant == "plain":
+                x = b(x)
+            elif self.variant == "torch":
+                x = tcp.checkpoint(b, x, use_reentrant=False)
+            else:
+                x = ckptfx.checkpoint(b, x)
+        return x
+
+    def runs(self) -> list[int]:
+        return [b.runs for b in self.blocks]
+
+    def reset(self) -> None:
+        for b in self.blocks:
+            b.runs = 0
+
+
+def make_stack(variant: str = "ckptfx", n: int = 3) -> Stack:
+    torch.manual_seed(0)
+    return Stack(n, variant)
+
+
+def reference(stack: Stack, x: torch.Tensor, g: torch.Tensor, autocast: bool,
+              seed: int = 7) -> list[torch.Tensor]:
+    """dx and every parameter gradient of the plain stack, in one fused backward."""
+    variant, stack.variant = stack.variant, "plain"
+    try:
+        torch.manual_seed(seed)
+        xr = x.detach().requires_grad_()
+        with maybe_autocast(autocast):
+            out = stack(xr)
+        return list(torch.autograd.grad(out, [xr, *stack.parameters()], g))
+    finally:
+        stack.variant = variant
+        stack.reset()
+
+
+def inputs(shape: tuple[int, ...] = (2, 5, D)) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(shape), torch.randn(shape)
+
+
+# -- parity, one replay ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST)
+def test_vjp_split_bitwise_and_one_replay_per_block(autocast: bool) -> None:
+    stack = make_stack()
+    x, g = inputs()
+    ref = reference(stack, x, g, autocast)
+    params = list(stack.parameters())
+    torch.manual_seed(7)
+    with maybe_autocast(autocast):
+        out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params)
+    assert out.grad_fn is None  # the split owns the graph
+    dx = dx_fn(g)
+    assert stack.runs() == [2, 2, 2]  # forward + the prefire replay, already
+    assert dw_fn() == ()  # no non-x primals: nothing returned, .grad filled
+    assert stack.runs() == [2, 2, 2]  # dw read the same replay (5 parameter groups per block)
+    assert_bitwise([dx, *(p.grad for p in params)], ref)
+
+
+@pytest.mark.parametrize("variant", ["plain", "torch", "ckptfx"])
+def test_differential_variants_same_grads_counted_runs(variant: str) -> None:
+    """Same split under no checkpoint, torch's checkpoint and ckptfx: grads equal, runs differ."""
+    stack = make_stack(variant)
+    x, g = inputs()
+    ref = reference(stack, x, g, False)
+    params = list(stack.parameters())
+    torch.manual_seed(7)
+    out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params)
+    dx = dx_fn(g)
+    dw_fn()
+    assert_bitwise([dx, *(p.grad for p in params)], ref)
+    runs = stack.runs()
+    if variant == "plain":
+        assert runs == [1, 1, 1]
+    elif variant == "ckptfx":
+        assert runs == [2, 2, 2]
+    else:
+        # torch replays for dx and again in each weight-group backward call
+        assert all(r > 2 for r in runs), runs
+
+
+def test_primals_as_pytrees_functional_params() -> None:
+    """vjp_split(fun, params_dict, x, x_argnums=1): dw_fn returns the dict of grads."""
+    stack = make_stack()
+    x, g = inputs()
+    ref = reference(stack, x, g, False)
+    params = dict(stack.named_parameters())
+
+    def fun(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(stack, p, (x,))
+
+    torch.manual_seed(7)
+    out, dx_fn, dw_fn = ckptfx.vjp_split(fun, params, x, x_argnums=1)
+    dx = dx_fn(g)
+    dw = dw_fn()
+    assert isinstance(dw, dict) and list(dw) == list(params)
+    assert_bitwise([dx, *dw.values()], ref)
+    assert all(p.grad is None for p in stack.parameters())  # returned, not accumulated
+    assert stack.runs() == [2, 2, 2]
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST)
+def test_has_aux_tuple_argnums_multiple_outputs(autocast: bool) -> None:
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(D, H), torch.randn(H, D)  # plain tensors: differentiated anyway
+    a, b = torch.randn(3, D), torch.randn(3, D)
+    runs = [0]
+
+    def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        runs[0] += 1
+        return F.dropout(torch.tanh(x @ w1), 0.3, True) @ w2
+
+    def fun(xs: dict, ws: tuple, checkpoint: bool = True) -> tuple:
+        h = xs["a"] + 2 * xs["b"]
+        y = ckptfx.checkpoint(block, h, *ws) if checkpoint else block(h, *ws)
+        return (y, {"side": ws[1].sum()}), {"aux": y.detach().sum(), "n": 3}
+
+    gy, gs = torch.randn(3, D), torch.tensor(0.5)
+    torch.manual_seed(3)
+    prim = ({"a": a.requires_grad_(), "b": b.requires_grad_()},
+            (w1.requires_grad_(), w2.requires_grad_()))
+    with maybe_autocast(autocast):
+        (y, side), aux = fun(*prim, checkpoint=False)
+    ref = torch.autograd.grad([y, side["side"]], [a, b, w1, w2], [gy, gs])
+    runs[0] = 0
+    torch.manual_seed(3)
+    with maybe_autocast(autocast):
+        out, dx_fn, dw_fn, aux2 = ckptfx.vjp_split(fun, *prim, x_argnums=(0,), has_aux=True)
+    assert aux2["n"] == 3 and torch.equal(aux2["aux"], aux["aux"])
+    (dxs,) = dx_fn((gy, {"side": gs}))
+    dws = dw_fn()
+    assert_bitwise([dxs["a"], dxs["b"], *dws], ref)
+    assert runs[0] == 2
+
+
+def test_inputs_not_differentiable_and_output_independent_of_inputs() -> None:
+    """Token ids as x (no dx), and an output that does not depend on x: all grads in dw."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, D)
+    stack = make_stack(n=2)
+    extra = nn.Parameter(torch.randn(D))
+    ids = torch.randint(0, 10, (2, 5))
+    params = [*emb.parameters(), *stack.parameters(), extra]
+
+    def fun(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return stack(emb(ids)), extra * 3
+
+    g1, g2 = torch.randn(2, 5, D), torch.randn(D)
+    torch.manual_seed(7)
+    stack.variant = "plain"
+    ref = torch.autograd.grad(list(fun(ids)), params, [g1, g2])
+    stack.variant = "ckptfx"
+    stack.reset()
+    torch.manual_seed(7)
+    out, dx_fn, dw_fn = ckptfx.vjp_split(fun, ids, params=params)
+    assert dx_fn((g1, g2)) is None  # integer input: no gradient
+    dw_fn()
+    assert_bitwise([p.grad for p in params], ref)
+    assert stack.runs() == [2, 2]
+
+
+def test_unused_input_gets_zeros_and_existing_grad_accumulates() -> None:
+    stack = make_stack(n=1)
+    x, g = inputs()
+    unused = torch.randn(4)
+    params = list(stack.parameters())
+    ref = reference(stack, x, g, False)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    torch.manual_seed(7)
+    out, dx_fn, dw_fn = ckptfx.vjp_split(lambda x, u: stack(x), x, unused, x_argnums=(0, 1),
+                                         params=params)
+    dx, du = dx_fn(g)
+    dw_fn()
+    assert torch.equal(du, torch.zeros(4))
+    assert_bitwise([dx, *(p.grad for p in params)], [ref[0], *(r + 1 for r in ref[1:])])
+
+
+def test_shared_weight_used_by_two_blocks() -> None:
+    """One parameter group with two intermediates: pinned captured gradients keep it exact."""
+    torch.manual_seed(0)
+    blk = Block()
+    x, g = inputs()
+
+    def fun(x: torch.Tensor, ck: bool = True) -> torch.Tensor:
+        for _ in range(2):
+            x = ckptfx.checkpoint(blk, x) if ck else blk(x)
+        return x
+
+    params = list(blk.parameters())
+    torch.manual_seed(7)
+    xr = x.clone().requires_grad_()
+    ref = torch.autograd.grad(fun(xr, False), [xr, *params], g)
+    blk.runs = 0
+    torch.manual_seed(7)
+    out, dx_fn, dw_fn = ckptfx.vjp_split(fun, x, params=params)
+    dx = dx_fn(g)
+    dw_fn()
+    assert_bitwise([dx, *(p.grad for p in params)], ref)
+    assert blk.runs == 4  # two calls, each forward + one replay
+
+
+# -- one backward's work --------------------------------------------------------------------
+
+
+def _flops(fn: Callable[[], Any]) -> int:
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
+def test_dx_plus_dw_flops_equal_one_fused_backward() -> None:
+    # Functional blocks: FlopCounterMode's module tracker hooks nn.Module calls (replays too).
+    torch.manual_seed(0)
+    ws = [(torch.randn(H, D, requires_grad=True), torch.randn(D, H, requires_grad=True))
+          for _ in range(3)]
+    params = [w for pair in ws for w in pair]
+
+    def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return x + F.linear(F.dropout(F.gelu(F.linear(x, w1)), 0.25, True), w2)
+
+    def fun(x: torch.Tensor, ck: bool) -> torch.Tensor:
+        for w1, w2 in ws:
+            x = ckptfx.checkpoint(block, x, w1, w2) if ck else block(x, w1, w2)
+        return x
+
+    x, g = inputs()
+    for ck in (False, True):
+        torch.manual_seed(7)
+        xr = x.clone().requires_grad_()
+        out = fun(xr, ck)
+        fused = _flops(lambda: torch.autograd.grad(out, [xr, *params], g))
+        torch.manual_seed(7)
+        _, dx_fn, dw_fn = ckptfx.vjp_split(fun, x, ck, params=params)
+        prefire = _flops(dx_fn.prefire)
+        dx_flops = _flops(lambda: dx_fn(g))
+        dw_flops = _flops(dw_fn)
+        assert dx_flops > 0 and dw_flops > 0
+        assert (prefire > 0) == ck  # the one replay of each block (its forward matmuls)
+        assert prefire + dx_flops + dw_flops == fused
+
+
+# -- memory between dx and dw ---------------------------------------------------------------
+
+
+def test_dx_drops_replayed_tensors_only_dx_needed() -> None:
+    """After dx the session keeps matmul inputs, not the GELU input or the dropout mask."""
+    torch.manual_seed(0)
+    blk = Block(p=0.5)
+    x, g = inputs()
+    torch.manual_seed(7)
+    # What the block computes, for identifying the replayed tensors by value.
+    with torch.no_grad():
+        pre = blk.fc1(blk.ln(x))  # saved by GELU's backward only
+        mask_like = F.dropout(F.gelu(pre), 0.5, True)  # fc2's input (dropout output)
+    params = list(blk.parameters())
+    torch.manual_seed(7)
+    out, dx_fn, dw_fn = ckptfx.vjp_split(lambda x: ckptfx.checkpoint(blk, x), x, params=params)
+    sid = dx_fn.session
+    dx_fn.prefire()
+    before = ckptfx.recompute_session_stats()[sid]
+
+    def held() -> list[torch.Tensor]:
+        (frame,) = [f for f in ckptfx.session._registry[sid].frames]
+        return [t for t in frame.replays[frame.session] if t is not None]
+
+    def holds(value: torch.Tensor) -> bool:
+        # Linear saves its 3-d input flattened to 2-d: compare values, not shapes.
+        return any(t.numel() == value.numel() and torch.equal(t.reshape(-1), value.reshape(-1))
+                   for t in held())
+
+    assert holds(pre) and holds(mask_like)
+    dx_fn(g)
+    after = ckptfx.recompute_session_stats()[sid]
+    assert after.tensors < before.tensors and after.nbytes < before.nbytes
+    assert not holds(pre)  # GELU's saved input: read by dx only
+    assert holds(mask_like)  # fc2's saved input: read by fc2.weight's gradient
+    assert not any(t.dtype == torch.bool for t in held())  # no dropout mask
+    dw_fn()
+    assert sid not in ckptfx.recompute_session_stats()
+    torch.manual_seed(7)
+    xr = x.clone().requires_grad_()
+    ref = torch.autograd.grad(blk(xr), params, g)
+    assert_bitwise([p.grad for p in params], ref)
+
+
+def test_nothing_alive_after_dw() -> None:
+    stack = make_stack()
+    x, g = inputs()
+    torch.manual_seed(7)
+    out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=list(stack.parameters()))
+    dx_fn.prefire()
+    split = dx_fn._split
+    frames = [h.frame for h in split.handles]
+    replayed = [weakref.ref(t) for f in frames for t in f.replays[f.session] if t is not None]
+    frame_refs = [weakref.ref(f) for f in frames]
+    del frames
+    dx = dx_fn(g)
+    captured = [weakref.ref(t) for grads in split.captured.values() for t in grads
+                if t is not None]
+    assert replayed and captured
+    dw_fn()
+    del split
+    gc.collect()
+    assert all(r() is None for r in replayed)
+    assert all(r() is None for r in captured)
+    assert all(r() is None for r in frame_refs)  # the graph is gone too
+    assert dx is not None
+
+
+# -- lifecycle and errors -------------------------------------------------------------------
+
+
+def test_order_errors_and_bad_arguments_leave_no_state() -> None:
+    stack = make_stack(n=1)
+    x, g = inputs()
+    params = list(stack.parameters())
+    out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params, session="s0")
+    with pytest.raises(RuntimeError, match="before dx_fn"):
+        dw_fn()
+    with pytest.raises(ValueError, match="cotangent leaf 0 has shape"):
+        dx_fn(torch.randn(3))
+    with pytest.raises(ValueError, match="structure"):
+        dx_fn((g, g))
+    with pytest.raises(ValueError, match="already used"):
+        ckptfx.vjp_split(stack, x, session="s0")
+    dx_fn(g)  # still usable after the bad calls
+    with pytest.raises(RuntimeError, match="already ran"):
+        dx_fn(g)
+    with pytest.raises(RuntimeError, match="past it"):
+        dx_fn.prefire()
+    dw_fn()
+    with pytest.raises(RuntimeError, match="consumed"):
+        dw_fn()
+    with pytest.raises(RuntimeError, match="consumed"):
+        dx_fn(g)
+    assert "s0" not in ckptfx.recompute_session_stats()
+    ckptfx.vjp_split(stack, x, session="s0")  # the key is free again
+
+    with pytest.raises(TypeError, match="x_argnums"):
+        ckptfx.vjp_split(stack, x, x_argnums="0")
+    with pytest.raises(ValueError, match="out of range"):
+        ckptfx.vjp_split(stack, x, x_argnums=1)
+    with pytest.raises(TypeError, match="params must"):
+        ckptfx.vjp_split(stack, x, params=3)
+    with pytest.raises(TypeError, match="fun must be callable"):
+        ckptfx.vjp_split(3, x)
+    with pytest.raises(ValueError, match="hashable"):
+        ckptfx.vjp_split(stack, x, session=["unhashable"])
+    with pytest.raises(TypeError, match="pair"):
+        ckptfx.vjp_split(stack, x, has_aux=True)
+    xr = x.clone().requires_grad_()
+    with pytest.raises(ValueError, match="also passed as a weight"):
+        ckptfx.vjp_split(lambda a, b: a * b, xr, xr, x_argnums=0)
+    assert not ckptfx.recompute_session_stats()
+
+
+def test_clear_abandons_the_split() -> None:
+    stack = make_stack(n=1)
+    x, g = inputs()
+    out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=list(stack.parameters()))
+    dx_fn(g)
+    ckptfx.clear_recompute_session(dx_fn.session)
+    with pytest.raises(RuntimeError, match="was cleared"):
+        dw_fn()
+    with pytest.raises(RuntimeError, match="consumed"):
+        dw_fn()
+
+
+def test_dw_that_raises_still_releases_everything() -> None:
+    torch.manual_seed(0)
+    blk, head = Block(), nn.Linear(D, D)
+    x, g = inputs()
+    out, dx_fn, dw_fn = ckptfx.vjp_split(lambda x: head(ckptfx.checkpoint(blk, x)), x,
+                                         params=[*blk.parameters(), *head.parameters()])
+    dx_fn(g)
+    split = dx_fn._split
+    (frame,) = [h.frame for h in split.handles]
+    replayed = [weakref.ref(t) for t in frame.replays[frame.session] if t is not None]
+    frame_ref = weakref.ref(frame)
+    del frame
+    with torch.no_grad():
+        head.weight.add_(1)  # saved by head's (un-checkpointed) node: dw must fail
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        dw_fn()
+    del split
+    gc.collect()
+    assert all(r() is None for r in replayed) and frame_ref() is None
+    assert not ckptfx.recompute_session_stats()
+    with pytest.raises(RuntimeError, match="consumed"):
+        dw_fn()
+
+
+def test_failed_prefire_can_be_retried() -> None:
+    fail = [True]
+    torch.manual_seed(0)
+    blk = Block()
+
+    def flaky(x: torch.Tensor) -> torch.Tensor:
+        if blk.runs == 1 and fail[0]:
+            fail[0] = False
+            blk.runs += 1
+            raise RuntimeError("replay failed")
+        return blk(x)
+
+    x, g = inputs()
+    torch.manual_seed(7)
+    xr = x.clone().requires_grad_()
+    ref = torch.autograd.grad(blk(xr), [xr, *blk.parameters()], g)
+    blk.runs = 0
+    torch.manual_seed(7)
+    out, dx_fn, dw_fn = ckptfx.vjp_split(lambda x: ckptfx.checkpoint(flaky, x), x,
+                                         params=list(blk.parameters()))
+    with pytest.raises(RuntimeError, match="replay failed"):
+        dx_fn.prefire()
+    dx = dx_fn(g)
+    dw_fn()
+    assert_bitwise([dx, *(p.grad for p in blk.parameters())], ref)
+
+
+# -- grad_split -----------------------------------------------------------------------------
+
+
+def _loss_fn(stack: Stack) -> Callable[..., torch.Tensor]:
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor, *, scale: float = 1.0) -> Any:
+        y = torch.func.functional_call(stack, params, (x,))
+        return (y.square().mean() * scale), y.detach().sum()
+
+    return loss
+
+
+def _reference_loss(stack: Stack, x: torch.Tensor, seed: int) -> list[torch.Tensor]:
+    variant, stack.variant = stack.variant, "plain"
+    torch.manual_seed(seed)
+    xr = x.clone().requires_grad_()
+    out = (stack(xr).square().mean() * 2.0)
+    stack.variant = variant
+    stack.reset()
+    return list(torch.autograd.grad(out, [xr, *stack.parameters()]))
+
+
+def test_grad_split_sessions_interleaved_on_threads() -> None:
+    """F1 F2 dx1 F3 dx2 dw1 dx3 dw2 dw3, dx and dw on threads that did not run the forward."""
+    stack = make_stack()
+    params = dict(stack.named_parameters())
+    dx_fn, dw_fn = ckptfx.grad_split(_loss_fn(stack), x_argnums=1, has_aux=True)
+    xs = [torch.randn(2, 5, D) for _ in range(3)]
+    refs = [_reference_loss(stack, x, 10 + i) for i, x in enumerate(xs)]
+    results: dict[tuple[str, int], Any] = {}
+
+    def on_thread(name: str, i: int, fn: Callable[[], Any]) -> None:
+        t = threading.Thread(target=lambda: results.__setitem__((name, i), fn()))
+        t.start()
+        t.join()
+
+    def dx(i: int) -> None:
+        torch.manual_seed(10 + i)
+        on_thread("dx", i, lambda: dx_fn(params, xs[i], session=("mb", i), scale=2.0))
+
+    def dw(i: int) -> None:
+        on_thread("dw", i, lambda: dw_fn(("mb", i)))
+
+    dx(0)
+    dx(1)
+    dw(0)
+    dx(2)
+    dw(1)
+    dw(2)
+    for i in range(3):
+        (value, aux), dxi = results[("dx", i)]
+        assert value.ndim == 0 and aux.ndim == 0
+        dwi = results[("dw", i)]
+        assert_bitwise([dxi, *dwi.values()], refs[i])
+    assert stack.runs() == [6, 6, 6]  # three micro-batches, two runs each
+    assert not ckptfx.recompute_session_stats()
+
+
+def test_grad_split_errors() -> None:
+    stack = make_stack(n=1)
+    params = dict(stack.named_parameters())
+    dx_fn, dw_fn = ckptfx.grad_split(_loss_fn(stack), x_argnums=1, has_aux=True)
+    x = torch.randn(2, 5, D)
+    with pytest.raises(RuntimeError, match="no dx_fn"):
+        dw_fn("a")  # unknown, or dw before dx
+    dx_fn(params, x, session="a")
+    with pytest.raises(RuntimeError, match="already in flight"):
+        dx_fn(params, x, session="a")
+    dw_fn("a")
+    with pytest.raises(RuntimeError, match="no dx_fn"):
+        dw_fn("a")  # consumed
+    dx_fn(params, x, session="a")  # the key may be reused once consumed
+    dw_fn("a")
+    with pytest.raises(ValueError, match="hashable"):
+        dx_fn(params, x, session=None)
+    bad_dx, _ = ckptfx.grad_split(lambda p, x: torch.func.functional_call(stack, p, (x,)),
+                                  x_argnums=1)
+    with pytest.raises(TypeError, match="scalar"):
+        bad_dx(params, x, session="b")
+    with pytest.raises(TypeError, match="x_argnums"):
+        ckptfx.grad_split(_loss_fn(stack), x_argnums=None)
+    assert not ckptfx.recompute_session_stats()
+
+
+def test_grad_split_tuple_argnums_and_single_remaining() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(D, D)
+    a, b = torch.randn(3, D), torch.randn(3, D)
+
+    def f(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ckptfx.checkpoint(lambda a, b, w: ((a @ w).tanh() * b).sum(), a, b, w)
+
+    ar, wr, br = (t.clone().requires_grad_() for t in (a, w, b))
+    ref = torch.autograd.grad(((ar @ wr).tanh() * br).sum(), [ar, br, wr])
+    dx_fn, dw_fn = ckptfx.grad_split(f, x_argnums=(0, 2))
+    value, (da, db) = dx_fn(a, w, b, session=0)
+    dwv = dw_fn(0)
+    assert isinstance(dwv, torch.Tensor)  # one remaining argument: its gradient, not a tuple
+    assert_bitwise([da, db, dwv], ref)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts calls of one aten op (replays of a recorded segment never call Python)."""
+
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is self.op:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+# -- remat'd blocks -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [None, "dots_saveable"])
+def test_vjp_split_over_remat_blocks(policy: str | None) -> None:
+    """remat frames are kernel frames: one replay shared by dx and dw, bitwise grads."""
+    if not hasattr(ckptfx, "remat"):  # pragma: no cover - remat lands in parallel
+        pytest.skip("ckptfx.remat not available in this tree")
+    pol = None if policy is None else getattr(ckptfx.checkpoint_policies, policy)
+    torch.manual_seed(0)
+    ws = [{"w1": torch.randn(D, H, requires_grad=True), "w2": torch.randn(H, D, requires_grad=True)}
+          for _ in range(3)]
+    runs = [0]
+
+    def block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        runs[0] += 1
+        return x + F.dropout(torch.tanh(x @ p["w1"]), 0.25, True) @ p["w2"]
+
+    rblock = ckptfx.remat(block, policy=pol)
+
+    def fun(ws: list, x: torch.Tensor, rm: bool = True) -> torch.Tensor:
+        for p in ws:
+            x = rblock(p, x) if rm else block(p, x)
+        return x
+
+    x, g = torch.randn(4, D), torch.randn(4, D)
+    flat = [w for p in ws for w in p.values()]
+    torch.manual_seed(7)
+    xr = x.clone().requires_grad_()
+    ref = torch.autograd.grad(fun(ws, xr, False), [xr, *flat], g)
+    runs[0] = 0
+    torch.manual_seed(7)
+    out, dx_fn, dw_fn = ckptfx.vjp_split(fun, ws, x, x_argnums=1)
+    assert runs[0] == 3
+    # remat replays a recorded segment, not the Python function: count the replayed tanh ops.
+    with _CountOps(torch.ops.aten.tanh.default) as tanh:
+        dx = dx_fn(g)
+        dws = dw_fn()
+    assert tanh.count == 3  # one replay per block, shared by dx and both weight groups
+    assert_bitwise([dx, *(w for p in dws for w in p.values())], ref)
+    assert not ckptfx.recompute_session_stats()
