@@ -15,8 +15,7 @@ XPU take the same path.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
@@ -78,39 +77,68 @@ class ReplayEnv:
         )
         self.device_ctx = _compat.device_context_mode() if _compat.has_function_modes() else None
 
-    @contextlib.contextmanager
-    def restored(self) -> Iterator[None]:
+    def restored(self) -> "_Restored":
         """Run the body as the forward ran: its RNG, autocast and device context.
 
         The caller's generator states are saved first and put back on exit, also when the
-        body raises.
+        body raises. Autocast is entered only where the current state differs.
         """
-        saved_cpu = None
-        saved_dev: list[tuple[int, torch.Tensor]] = []
-        mod = None
-        if self.cpu_rng is not None:
-            saved_cpu = torch.get_rng_state()
-            torch.set_rng_state(self.cpu_rng)
-        if self.device_rng:
-            mod = _device_module(self.device_type)  # type: ignore[arg-type]
-            saved_dev = [(i, mod.get_rng_state(i)) for i, _ in self.device_rng]
-            for i, state in self.device_rng:
+        return _Restored(self)
+
+
+class _Restored:
+    """The context manager of ``ReplayEnv.restored`` (a class: replays are frequent)."""
+
+    __slots__ = ("env", "saved_cpu", "saved_dev", "contexts")
+
+    def __init__(self, env: ReplayEnv) -> None:
+        self.env = env
+
+    def __enter__(self) -> None:
+        env = self.env
+        self.saved_cpu = None
+        self.saved_dev: list[tuple[Any, int, torch.Tensor]] = []
+        if env.cpu_rng is not None:
+            self.saved_cpu = torch.get_rng_state()
+            torch.set_rng_state(env.cpu_rng)
+        if env.device_rng:
+            mod = _device_module(env.device_type)  # type: ignore[arg-type]
+            self.saved_dev = [(mod, i, mod.get_rng_state(i)) for i, _ in env.device_rng]
+            for i, state in env.device_rng:
                 mod.set_rng_state(state, i)
+        contexts = []
+        if _autocast_state("cpu") != env.cpu_autocast:
+            enabled, dtype, cache = env.cpu_autocast
+            contexts.append(torch.amp.autocast("cpu", enabled=enabled, dtype=dtype,
+                                               cache_enabled=cache))
+        if env.device_autocast is not None and _autocast_state(
+                env.device_type) != env.device_autocast:  # type: ignore[arg-type]
+            enabled, dtype, cache = env.device_autocast
+            contexts.append(torch.amp.autocast(env.device_type, enabled=enabled,  # type: ignore
+                                               dtype=dtype, cache_enabled=cache))
+        if env.device_ctx is not None:
+            contexts.append(env.device_ctx)
+        entered = []
         try:
-            with contextlib.ExitStack() as stack:
-                enabled, dtype, cache = self.cpu_autocast
-                stack.enter_context(torch.amp.autocast("cpu", enabled=enabled, dtype=dtype,
-                                                       cache_enabled=cache))
-                if self.device_autocast is not None:
-                    enabled, dtype, cache = self.device_autocast
-                    stack.enter_context(torch.amp.autocast(
-                        self.device_type, enabled=enabled, dtype=dtype, cache_enabled=cache))
-                if self.device_ctx is not None:
-                    stack.enter_context(self.device_ctx)
-                yield
+            for ctx in contexts:
+                ctx.__enter__()
+                entered.append(ctx)
+        except BaseException:
+            for ctx in reversed(entered):
+                ctx.__exit__(None, None, None)
+            self._put_back_rng()
+            raise
+        self.contexts = entered
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            for ctx in reversed(self.contexts):
+                ctx.__exit__(*exc)
         finally:
-            if saved_cpu is not None:
-                torch.set_rng_state(saved_cpu)
-            if mod is not None:
-                for i, state in saved_dev:
-                    mod.set_rng_state(state, i)
+            self._put_back_rng()
+
+    def _put_back_rng(self) -> None:
+        if self.saved_cpu is not None:
+            torch.set_rng_state(self.saved_cpu)
+        for mod, i, state in self.saved_dev:
+            mod.set_rng_state(state, i)

@@ -279,8 +279,10 @@ class _Recorder:
         self.stop_at = n if frame.early_stop and n else -1
         self.fn_modes = 0
         self.stopper: _StopAtNextCall | None = None
-        # First replay of the frame: note which saved tensors alias inputs or parameters.
-        self.probe: list[int] | None = [] if frame.shared is None else None
+        # First session replay of the frame: note which saved tensors alias inputs or
+        # parameters (for recompute_session_stats; native replays need not know).
+        self.probe: list[int] | None = (
+            [] if frame.shared is None and tls.scheduled_replay else None)
         self.input_ids = {id(a) for a in inputs} if self.probe is not None else set()
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
