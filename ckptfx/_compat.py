@@ -86,6 +86,23 @@ def functorch_level() -> int:
     return 0 if level is None else level
 
 
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """True for a tensor wrapped by a torch.func transform (grad tracking or batched)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def functorch_tensor_level(t: torch.Tensor) -> int:
+    """The transform level of ``t``'s outermost functorch wrapper, or -1 for a plain tensor."""
+    return torch._C._functorch.maybe_get_level(t)
+
+
+def functorch_unwrap(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every functorch wrapper of ``t``."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
 def import_npu() -> bool:
     """Import torch_npu when it is installed (it registers the ``npu`` device)."""
     if importlib.util.find_spec("torch_npu") is None:

@@ -202,14 +202,17 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         with tracer:
             out = flat_fun(*tensors)
     except RuntimeError as err:
+        _compat.pop_saved_tensors_hooks()  # on every error path: leave no hooks behind
         if not _compat.is_saved_tensors_hooks_refusal(err):
             raise
         # The block uses torch.func.grad/vjp inside, which refuses saved-tensor hooks: run it
         # as one autograd.Function instead (same RNG start, so the same values).
-        _compat.pop_saved_tensors_hooks()
         if frame.env.cpu_rng is not None:
             torch.set_rng_state(frame.env.cpu_rng)
         return call_function_path(fun, options.policy, leaves, spec, positions, tensors, restore)
+    except BaseException:
+        _compat.pop_saved_tensors_hooks()
+        raise
     else:
         _compat.pop_saved_tensors_hooks()
     tracer.finish()

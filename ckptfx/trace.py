@@ -15,6 +15,11 @@ Rules
    copied), *saved* (kept), *offloaded* (kept on the host), or *recomputed* (a kernel
    ``Holder`` that the replay fills).
 
+2b. As in JAX, a value the policy lets keep is kept when the backward *or the replay* reads
+   it: such values are held during the forward and, at its end, those on the replay's
+   frontier are kept, the rest released. Block inputs (and views of them) are filled by the
+   replay from the frame's saved inputs, so a parent checkpoint hands them out once.
+
 3. In-place writes are versioned per base storage (a view shares its base's). An op reads a
    value at a version; a pack keeps a value at a version. The replay of a recomputed value
    runs only the ops it transitively needs, reading kept values where a kept (slot, version)
@@ -212,6 +217,8 @@ class Segment:
         self.replayable = True
         self.why_not: str | None = None
         self.last_plan: int = 0
+        # Values the policy keeps because the replay (not autograd) reads them (Rule 2b).
+        self.extra: list[Any] = []
 
     def not_replayable(self, why: str) -> None:
         if self.replayable:
@@ -266,8 +273,9 @@ class Segment:
                     out_leaves = optree.tree_leaves(out, none_is_leaf=True)
                     for j, slot in op.outs:
                         vals[slot] = out_leaves[j]
-        for pos, (slot, _) in targets:
-            tensors[pos] = vals[slot]
+        for pos, sv in targets:
+            kept = available.get(sv)
+            tensors[pos] = vals[sv[0]] if kept is None else kept.get()
 
     def _plan(self, wanted: list[tuple[int, int]], available: dict) -> list[int]:
         """The ops to run, in recorded order, to rebuild ``wanted`` (Rule 3)."""
@@ -366,6 +374,10 @@ class Tracer(TorchDispatchMode):
         self.uninit: set[int] = set()      # base slots from torch.empty not yet written
         self.packed_bases: set[int] = set()
         self.names: dict[int, tuple[str, str | None]] = {}
+        # (slot, version) -> (detached tensor, its _version, decision): every value the policy
+        # lets keep, held until ``finish`` picks those the replay reads (Rule 2b).
+        self.held: dict[tuple[int, int], tuple[torch.Tensor, int, Any]] = {}
+        self.aliases: dict[tuple[int, int], tuple[int, int]] = {}  # named value's source -> it
         self.pinned = frame.env.device_type is not None
         for i, t in enumerate(inputs):
             if id(t) not in self.ids:
@@ -484,7 +496,15 @@ class Tracer(TorchDispatchMode):
                 if decision is None:
                     decision = call_policy(self.policy, _SAC_CTX, func, args, kwargs)
                 self.decision[slot] = decision
+                if decision is not False:
+                    self._hold(slot, o, decision)
         return out
+
+    def _hold(self, slot: int, t: torch.Tensor, decision: Any) -> None:
+        if self.root[slot] >= 0:  # a view of an input or outside tensor: an argument
+            return
+        # Detached: the held tensor must not reach its own autograd node (a reference cycle).
+        self.held[(slot, self.seg.version(slot))] = (t.detach(), t._version, decision)
 
     def name(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """``checkpoint_name`` inside this trace: a view of ``x`` carrying the name."""
@@ -495,6 +515,11 @@ class Tracer(TorchDispatchMode):
             decision = call_policy(self.policy, _SAC_CTX, _NAME_OP, (x,), {"name": name})
             if decision is not False or self.decision[slot] is False:
                 self.decision[slot] = decision
+                if decision is not False:
+                    self._hold(slot, y, decision)
+                    # x holds the same values: a replay that needs x reads the named value
+                    self.aliases[(self._slot(x), self.seg.version(slot))] = (
+                        slot, self.seg.version(slot))
         return y
 
     # the autograd side -----------------------------------------------------------------
@@ -507,18 +532,19 @@ class Tracer(TorchDispatchMode):
         slot = x.__dict__.get(self.attr)
         if slot is None:
             index = self.ids.get(id(x))
-            frame.holders.append(_DEAD)
             if index is not None and index in self._input_index:
-                packed: Any = _Argument(frame, self._input_index[index])
-            else:
-                packed = _Kept(x)
-                index = self._slot(x)
-            self._note("argument", x, index, 0)
-            return packed
-        version = self.seg.version(slot)
-        if self.root[slot] >= 0:
+                return self._argument_holder(x, pos, index, index)
             frame.holders.append(_DEAD)
-            self._note("argument", x, self.root[slot], 0)
+            index = self._slot(x)
+            self._note("argument", x, index, 0)
+            return _Kept(x)
+        version = self.seg.version(slot)
+        root = self.root[slot]
+        if root >= 0:
+            if root in self._input_index:
+                return self._argument_holder(x, pos, slot, root)
+            frame.holders.append(_DEAD)
+            self._note("argument", x, root, 0)
             return _Kept(x)
         decision = self.decision[slot]
         if decision is False:
@@ -538,6 +564,17 @@ class Tracer(TorchDispatchMode):
         self.seg.kept.setdefault((slot, version), weakref.ref(packed))
         return packed
 
+    def _argument_holder(self, x: torch.Tensor, pos: int, slot: int, root: int) -> Holder:
+        # A block input (or a view of one) is filled by the replay from the frame's saved
+        # inputs, never referenced directly: when the block is nested in a checkpoint, its
+        # inputs are holders of the parent, which hands each tensor out once per backward;
+        # the replay unpacks them once, however many ops saved them.
+        holder = Holder(self.frame, pos)
+        self.frame.holders.append(weakref.ref(holder))
+        self.seg.targets[pos] = (slot, self.seg.version(slot))
+        self._note("argument", x, root, 0)
+        return holder
+
     @property
     def _input_index(self) -> dict[int, int]:
         cache = self.__dict__.get("_inputs_by_slot")
@@ -552,5 +589,51 @@ class Tracer(TorchDispatchMode):
 
     def finish(self) -> Segment:
         """End of the forward: hand the segment to the frame as its replay strategy."""
+        self._keep_what_the_replay_reads()
         self.frame.rerun = self.seg.replay
         return self.seg
+
+    def _keep_what_the_replay_reads(self) -> None:
+        """Rule 2b (JAX's partial evaluation): a value the policy lets keep is kept when the
+        replay of a recomputed value reads it, not only when autograd saved it itself (torch's
+        relu saves its output, so the matmul before it is read only by the replay; a matmul
+        reached through ``matmul``'s reshape is saved as ``_unsafe_view`` of it)."""
+        held, self.held = self.held, {}
+        seg = self.seg
+        if not held or not seg.replayable:
+            return
+        holders = self.frame.holders
+        stack = [sv for pos, sv in seg.targets.items() if holders[pos]() is not None]
+        seen: set[tuple[int, int]] = set()
+        while stack:
+            sv = stack.pop()
+            if sv in seen:
+                continue
+            seen.add(sv)
+            ref = seg.kept.get(sv)
+            if ref is not None and ref() is not None:
+                continue
+            alias = self.aliases.get(sv)
+            ref = seg.kept.get(alias) if alias is not None else None
+            if ref is not None and ref() is not None:  # its checkpoint_name view was kept
+                seg.kept[sv] = ref
+                continue
+            h = held.get(sv)
+            slot, version = sv
+            if h is not None and h[0]._version == h[1]:  # not rewritten since: still that value
+                t, _, decision = h
+                if isinstance(decision, Offload):
+                    packed: Any = _Offloaded(t, self.pinned and decision.dst == "pinned_host")
+                    self._note("offloaded", t, slot, version)
+                else:
+                    packed = _Kept(t)
+                    self._note("saved", t, slot, version)
+                seg.extra.append(packed)
+                seg.kept[sv] = weakref.ref(packed)
+                continue
+            ops = [seg.producer[slot]]
+            if version:
+                ops.append(seg.writers[seg.base[slot]][version - 1])
+            for i in ops:
+                if i >= 0:
+                    stack.extend((s, v) for _, s, v in seg.ops[i].inputs)

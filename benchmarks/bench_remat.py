@@ -1,0 +1,135 @@
+"""remat vs torch.utils.checkpoint on a transformer block: replay time, ops replayed, forward.
+
+    python benchmarks/bench_remat.py [--quick] [--repeats N]
+
+For each size and policy (nothing_saveable vs plain torch checkpoint; dots_saveable vs torch
+SAC saving mm/addmm/bmm/baddbmm), in one run, alternating the variants, medians of:
+  replay = backward time minus the no-checkpoint backward time (the cost of rebuilding);
+  fwd    = forward time; ops = ATen ops the replay ran (ckptfx: Segment.last_plan).
+Targets: replay <= 0.8x torch's, forward <= 1.1x torch's checkpoint forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+import ckptfx
+from ckptfx import checkpoint_policies as cp
+
+aten = torch.ops.aten
+DOTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
+
+
+def sac_dots(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in DOTS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(
+            2, 0, 3, 1, 4).reshape(3, b * self.heads, t, d // self.heads)
+        a = torch.softmax(torch.bmm(q, k.transpose(1, 2)) / (d // self.heads) ** 0.5, -1)
+        o = torch.bmm(a, v).view(b, self.heads, t, -1).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(o)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def variants(block: Block) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    return {
+        "plain": block,
+        "torch:nothing": lambda x: checkpoint(block, x, use_reentrant=False),
+        "ckptfx:nothing": ckptfx.remat(block.forward, policy=cp.nothing_saveable),
+        "torch:dots": lambda x: checkpoint(
+            block, x, use_reentrant=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(sac_dots)),
+        "ckptfx:dots": ckptfx.remat(block.forward, policy=cp.dots_saveable),
+    }
+
+
+class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def replay_ops(fn: Callable, block: Block, x: torch.Tensor) -> int:
+    """ATen ops a backward runs beyond the plain backward's (the replay)."""
+    counts = []
+    for f in (block, fn):
+        out = f(x)
+        with OpCount() as c:
+            out.sum().backward()
+        counts.append(c.n)
+    return counts[1] - counts[0]
+
+
+def measure(b: int, t: int, d: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    block = Block(d)
+    x = torch.randn(b, t, d, requires_grad=True)
+    fns = variants(block)
+    fwd: dict[str, list[float]] = {k: [] for k in fns}
+    bwd: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(repeats + 1):  # first round is warm-up
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))
+        for name in order:
+            t0 = time.perf_counter()
+            out = fns[name](x)
+            t1 = time.perf_counter()
+            out.sum().backward()
+            t2 = time.perf_counter()
+            if r:
+                fwd[name].append(t1 - t0)
+                bwd[name].append(t2 - t1)
+    med = {k: (statistics.median(fwd[k]), statistics.median(bwd[k])) for k in fns}
+    base_bwd = med["plain"][1]
+    print(f"\n== batch {b}, seq {t}, d {d} (plain fwd {med['plain'][0]*1e3:.2f} ms, "
+          f"bwd {base_bwd*1e3:.2f} ms, {repeats} repeats)")
+    for pol in ("nothing", "dots"):
+        tn, cn = f"torch:{pol}", f"ckptfx:{pol}"
+        t_rep = med[tn][1] - base_bwd
+        c_rep = med[cn][1] - base_bwd
+        ops_t = replay_ops(fns[tn], block, x)
+        ops_c = replay_ops(fns[cn], block, x)
+        print(f"{pol:8s} replay: torch {t_rep*1e3:7.2f} ms ({ops_t} ops)  ckptfx "
+              f"{c_rep*1e3:7.2f} ms ({ops_c} ops)  ratio {c_rep / t_rep:5.2f}x  (target <= 0.8)")
+        print(f"{pol:8s} fwd:    torch {med[tn][0]*1e3:7.2f} ms  ckptfx {med[cn][0]*1e3:7.2f} ms"
+              f"  ratio {med[cn][0] / med[tn][0]:5.2f}x  (target <= 1.1)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small size, few repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sizes = [(2, 32, 64)] if args.quick else [(2, 32, 64), (8, 128, 256)]
+    repeats = args.repeats or (5 if args.quick else 15)
+    print(f"torch {torch.__version__}, 1 thread")
+    for b, t, d in sizes:
+        measure(b, t, d, repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,514 @@
+"""ckptfx.remat: exact gradients under every policy, pytrees, static args, modules,
+torch.func.functional_call, replay mechanics, sessions, nesting, early stop, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import os
+import weakref
+from collections import namedtuple
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ckptfx
+from ckptfx import checkpoint_policies as cp
+
+from conftest import Counted, assert_bitwise, grads, maybe_autocast
+
+pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
+aten = torch.ops.aten
+
+
+def torch_sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A torch selective-checkpoint policy function, passed to remat unchanged."""
+    if op in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+POLICIES = {
+    "none": None,
+    "nothing": cp.nothing_saveable,
+    "everything": cp.everything_saveable,
+    "dots": cp.dots_saveable,
+    "checkpoint_dots": cp.checkpoint_dots,
+    "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
+    "only_names": cp.save_only_these_names("h", "attn"),
+    "any_names_but": cp.save_any_names_but_these("h"),
+    "both": cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                       cp.save_only_these_names("attn")),
+    "save_and_offload": cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=["h"], names_which_can_be_offloaded=["attn", "g"]),
+    "offload_dots": cp.offload_dot_with_no_batch_dims(),
+    "torch_sac": torch_sac_policy,
+}
+
+
+# -- blocks ---------------------------------------------------------------------------------
+
+
+def mlp(params: dict[str, torch.Tensor], x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+    h = ckptfx.checkpoint_name(act(x @ params["w1"] + params["b1"]), "h")
+    h = F.dropout(h, p=0.3, training=True)
+    g = ckptfx.checkpoint_name(torch.tanh(h @ params["w2"]), "g")
+    return g * x
+
+
+class Attention(nn.Module):
+    """q/k/v Linears, batched matmul attention, softmax, dropout."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        s = torch.matmul(q, k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        a = ckptfx.checkpoint_name(F.dropout(torch.softmax(s, -1), 0.2, training=True), "attn")
+        return F.gelu(self.o(torch.bmm(a, v))) + x
+
+
+def mlp_params(d: int = 6, h: int = 10) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w1": torch.randn(d, h, generator=g, requires_grad=True),
+            "b1": torch.randn(h, generator=g, requires_grad=True),
+            "w2": torch.randn(h, d, generator=g, requires_grad=True)}
+
+
+def run(fn: Any, leaves: list[torch.Tensor], *args: Any, seed: int = 7,
+        autocast: bool = False) -> list[torch.Tensor | None]:
+    """Forward + backward from a fixed RNG seed; the gradients of ``leaves``."""
+    for t in leaves:
+        t.grad = None
+    torch.manual_seed(seed)
+    with maybe_autocast(autocast):
+        out = fn(*args)
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return grads(leaves)
+
+
+def line_of(fn: Any, text: str) -> str:
+    """``file:line (function)`` of the line of ``fn``'s source that contains ``text``."""
+    lines, first = inspect.getsourcelines(fn)
+    (n,) = [i for i, line in enumerate(lines) if text in line]
+    return f"{os.path.basename(inspect.getsourcefile(fn))}:{first + n} ({fn.__name__})"
+
+
+def segment_of(fn: Any, *args: Any) -> tuple[Any, Any]:
+    """Run a remat'd ``fn`` under a collector: (output, the Segment of its frame)."""
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = fn(*args)
+    assert len(handles) == 1
+    return out, handles[0].frame.rerun.__self__
+
+
+# -- gradients under every policy ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("act", ["gelu", "rrelu"])
+@pytest.mark.parametrize("policy", list(POLICIES), ids=list(POLICIES))
+def test_mlp_gradients_bitwise_under_every_policy(policy: str, act: str, autocast: bool) -> None:
+    params = mlp_params()
+    x = torch.randn(4, 6, requires_grad=True)
+    module = nn.GELU() if act == "gelu" else nn.RReLU()
+    leaves = [*params.values(), x]
+    expected = run(mlp, leaves, params, x, module, autocast=autocast)
+    block = ckptfx.remat(mlp, policy=POLICIES[policy], static_argnums=2)
+    assert_bitwise(run(block, leaves, params, x, module, autocast=autocast), expected)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("policy", list(POLICIES), ids=list(POLICIES))
+def test_attention_gradients_bitwise_under_every_policy(policy: str, autocast: bool) -> None:
+    torch.manual_seed(0)
+    attn = Attention()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    leaves = [*attn.parameters(), x]
+    expected = run(attn.block, leaves, x, autocast=autocast)
+    block = ckptfx.remat(attn.block, policy=POLICIES[policy])
+    assert_bitwise(run(block, leaves, x, autocast=autocast), expected)
+
+
+# -- pytrees, static args, modules, functional_call ------------------------------------------
+
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+@dataclasses.dataclass
+class State:
+    h: torch.Tensor
+    scale: float
+
+
+# A registered dataclass: ``h`` is a child, ``scale`` static metadata (global namespace,
+# which is what remat flattens with).
+optree.register_pytree_node(
+    State, lambda s: ((s.h,), s.scale, ("h",)),
+    lambda scale, children: State(children[0], scale),
+    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
+)
+
+
+def test_pytree_inputs_and_outputs_bitwise() -> None:
+    w = torch.randn(5, 5, requires_grad=True)
+    x = torch.randn(3, 5, requires_grad=True)
+    y = torch.randn(3, 5, requires_grad=True)
+    z = torch.randn(3, 5, requires_grad=True)
+    counter = Counted(lambda inp: {
+        "pair": Pair(torch.relu(inp["xs"][0] @ w), inp["xs"][1].sin() * inp["state"].scale),
+        "list": [inp["state"].h.exp(), 3],
+        "state": State(torch.tanh(inp["state"].h @ w), inp["state"].scale),
+    })
+
+    def loss(out: Any) -> torch.Tensor:
+        return (out["pair"].a.sum() + out["pair"].b.sum() * 2 + out["list"][0].sum()
+                + out["state"].h.sum() * out["list"][1])
+
+    inp = {"xs": [x, y], "state": State(z, 0.5)}
+    loss(counter(inp)).backward()
+    expected = grads([w, x, y, z])
+    for t in (w, x, y, z):
+        t.grad = None
+    out = ckptfx.remat(counter, policy=cp.dots_saveable)(inp)
+    assert isinstance(out["pair"], Pair) and isinstance(out["state"], State)
+    assert out["list"][1] == 3 and out["state"].scale == 0.5
+    loss(out).backward()
+    assert_bitwise(grads([w, x, y, z]), expected)
+    assert counter.calls == 2  # plain + remat forward; the replay is the recorded segment
+
+
+def test_static_argnums_and_argnames() -> None:
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def f(x: torch.Tensor, n: int, *, mode: str) -> torch.Tensor:
+        for _ in range(n):
+            x = torch.relu(x @ x.T) if mode == "relu" else torch.tanh(x @ x.T)
+        return x
+
+    block = ckptfx.remat(f, static_argnums=(1,), static_argnames=("mode",))
+    for n, mode in ((2, "relu"), (3, "tanh")):
+        f(x, n, mode=mode).sum().backward()
+        expected = grads([x])
+        x.grad = None
+        block(x, n, mode=mode).sum().backward()
+        assert_bitwise(grads([x]), expected)
+        x.grad = None
+
+
+def test_module_forward_decorated_with_remat() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 6)
+            self.calls = 0
+
+        @ckptfx.remat(policy=cp.dots_saveable)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.fc2(F.dropout(torch.relu(self.fc1(x)), 0.25))
+
+    torch.manual_seed(0)
+    m = Block()
+    x = torch.randn(3, 6, requires_grad=True)
+    leaves = [*m.parameters(), x]
+    expected = run(Block.forward.__wrapped__.__get__(m), leaves, x)
+    got = run(m, leaves, x)
+    assert_bitwise(got, expected)
+    assert m.calls == 2  # one plain, one remat forward; the backward replays the segment
+
+
+def test_functional_call_of_module_with_remat_blocks() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+            self.block = ckptfx.remat(self._block, policy=cp.dots_saveable)
+
+        def _block(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.b(torch.relu(self.a(x))))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(self.block(x))
+
+    torch.manual_seed(0)
+    net = Net()
+    params = {k: v.detach().clone().requires_grad_() for k, v in net.named_parameters()}
+    x = torch.randn(3, 6, requires_grad=True)
+    leaves = [*params.values(), x]
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(net, params, (x,))
+
+    net.block = net._block
+    expected = run(plain, leaves, x)
+    net.block = ckptfx.remat(net._block, policy=cp.dots_saveable)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        got = run(plain, leaves, x)
+    assert len(handles) == 2  # both calls were remat frames, not run plainly
+    assert_bitwise(got, expected)
+
+
+# -- replay mechanics ------------------------------------------------------------------------
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts ATen ops by overload packet name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_segment_replay_is_used_not_the_function() -> None:
+    params = mlp_params()
+    x = torch.randn(4, 6, requires_grad=True)
+    leaves = [*params.values(), x]
+    expected = run(mlp, leaves, params, x, nn.GELU())
+    counted = Counted(mlp)
+    out, seg = segment_of(ckptfx.remat(counted, static_argnums=2), params, x, nn.GELU())
+    assert seg.replayable, seg.why_not
+    for t in leaves:
+        t.grad = None
+    torch.manual_seed(7)
+    out, seg = segment_of(ckptfx.remat(counted, static_argnums=2), params, x, nn.GELU())
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    assert_bitwise(grads(leaves), expected)
+    assert counted.calls == 2  # the two forwards above; no replay re-ran the function
+    assert seg.last_plan > 0
+
+
+def _numpy_filled(x: torch.Tensor, w: torch.Tensor, calls: list[int]) -> torch.Tensor:
+    calls[0] += 1
+    buf = torch.empty(x.shape[0], w.shape[1])
+    buf.numpy()[:] = torch.arange(w.shape[1], dtype=torch.float32).numpy()  # outside ATen
+    return torch.tanh(x @ w) * buf
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_not_replayable_block_reruns_the_function_exactly(early_stop: bool) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 5, requires_grad=True)
+    calls = [0]
+    _numpy_filled(x, w, calls).sum().backward()
+    expected = grads([x, w])
+    x.grad = w.grad = None
+    calls = [0]
+    block = ckptfx.remat(_numpy_filled, static_argnums=2, early_stop=early_stop)
+    out, seg = segment_of(block, x, w, calls)
+    assert not seg.replayable and "torch.empty" in seg.why_not
+    out.sum().backward()
+    assert calls[0] == 2  # forward + one re-run of the function
+    assert_bitwise(grads([x, w]), expected)
+
+
+def test_in_place_write_to_an_input_is_never_silently_wrong() -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return torch.relu(x @ w)
+
+    w = torch.randn(4, 5, requires_grad=True)
+    x0 = torch.randn(3, 4)
+    out, seg = segment_of(ckptfx.remat(f), x0.clone(), w)
+    assert not seg.replayable and "in place" in seg.why_not
+    # The same error as torch.utils.checkpoint: the input the replay needs was overwritten.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.utils.checkpoint.checkpoint(f, x0.clone(), w, use_reentrant=False).sum().backward()
+
+
+def _relu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return torch.relu(torch.relu(x @ w1) @ w2) @ w1.T
+
+
+def test_dots_saveable_replays_fewer_ops_and_no_matmul() -> None:
+    x = torch.randn(4, 6, requires_grad=True)
+    w1 = torch.randn(6, 8, requires_grad=True)
+    w2 = torch.randn(8, 8, requires_grad=True)
+    plans, backward_mms = {}, {}
+    with OpCounter() as plain_ops:
+        out = _relu_mlp(x, w1, w2)
+    with OpCounter() as plain_bwd:
+        out.sum().backward()
+    for name, policy in (("nothing", cp.nothing_saveable), ("dots", cp.dots_saveable)):
+        out, seg = segment_of(ckptfx.remat(_relu_mlp, policy=policy), x, w1, w2)
+        with OpCounter() as bwd:
+            out.sum().backward()
+        plans[name] = seg.last_plan
+        backward_mms[name] = bwd.counts.get("mm", 0)
+    assert 0 < plans["dots"] < plans["nothing"]
+    # Saved matmul outputs are not recomputed: the backward runs only its own matmuls.
+    assert backward_mms["dots"] == plain_bwd.counts["mm"]
+    assert backward_mms["nothing"] == plain_bwd.counts["mm"] + 2  # two matmuls replayed
+    assert plain_ops.counts["mm"] == 3
+
+
+def test_frame_and_segment_are_freed_with_the_graph() -> None:
+    x = torch.randn(4, 6, requires_grad=True)
+    w1 = torch.randn(6, 8, requires_grad=True)
+    w2 = torch.randn(8, 8, requires_grad=True)
+    out, seg = segment_of(ckptfx.remat(_relu_mlp, policy=cp.dots_saveable), x, w1, w2)
+    assert seg.extra  # kept matmul outputs live on the segment
+    kept = weakref.ref(seg.extra[0].tensor)
+    seg_ref = weakref.ref(seg)
+    del out, seg
+    gc.collect()
+    assert seg_ref() is None and kept() is None
+
+
+# -- sessions --------------------------------------------------------------------------------
+
+
+def _two_layer(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               calls: list[int]) -> torch.Tensor:
+    calls[0] += 1
+    buf = torch.empty(w1.shape[1])
+    buf.numpy()[:] = 0.5  # makes the block not replayable: each replay re-runs (and counts)
+    return torch.tanh(torch.relu(x @ w1) * buf @ w2)
+
+
+@pytest.mark.parametrize("replayable", [True, False])
+def test_session_prefire_dx_dw_replays_once(replayable: bool) -> None:
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    w1 = torch.randn(6, 8, requires_grad=True)
+    w2 = torch.randn(8, 6, requires_grad=True)
+    x = torch.randn(4, 6, requires_grad=True)
+    calls = [0]
+    fn = _two_layer if not replayable else (
+        lambda x, w1, w2, calls: torch.tanh(torch.relu(x @ w1) * 0.5 @ w2))
+    fn(x, w1, w2, calls).sum().backward()
+    expected = grads([x, w1, w2])
+    x.grad = w1.grad = w2.grad = None
+    calls = [0]
+    block = ckptfx.remat(fn, static_argnums=3)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = block(x, w1, w2, calls)
+    seg = handles[0].frame.rerun.__self__
+    assert seg.replayable is replayable
+    loss = out.sum()
+    session = "mb0"
+    try:
+        ckptfx.recompute_handle(handles[0], session)
+        plan_after_prefire = seg.last_plan
+        with ckptfx.recompute_session_ctx(session, retain_on_unpack=True):
+            dx, param_groups = stage_backward_input([loss], None, [x], [w1, w2])
+        x.grad = dx[0]
+        for i, group in enumerate(param_groups):
+            with ckptfx.recompute_session_ctx(session, retain_on_unpack=i < len(param_groups) - 1):
+                stage_backward_weight([w1, w2], [group], retain_graph=i < len(param_groups) - 1)
+    finally:
+        ckptfx.clear_recompute_session(session)
+    assert_bitwise(grads([x, w1, w2]), expected)
+    if replayable:
+        assert plan_after_prefire > 0 and calls[0] == 0
+    else:
+        assert calls[0] == 2  # forward + the single prefire replay, for dx and both dw
+
+
+# -- nesting, early stop ---------------------------------------------------------------------
+
+
+def test_nested_remat_each_block_keeps_by_its_own_policy() -> None:
+    inner_calls = [0]
+
+    def inner(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        inner_calls[0] += 1
+        u = torch.relu(h @ w)  # inner's own value: recomputed under inner's policy
+        return u @ w  # inner's output is a value of outer: kept by outer's dots policy
+
+    inner_r = ckptfx.remat(inner, policy=cp.nothing_saveable)
+
+    def outer(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x @ w1)
+        return torch.tanh(inner_r(h, w2))
+
+    x = torch.randn(4, 6, requires_grad=True)
+    w1 = torch.randn(6, 8, requires_grad=True)
+    w2 = torch.randn(8, 8, requires_grad=True)
+    outer(x, w1, w2).sum().backward()
+    expected = grads([x, w1, w2])
+    x.grad = w1.grad = w2.grad = None
+    outer_r = ckptfx.remat(outer, policy=cp.dots_saveable)
+    with OpCounter() as fwd:
+        out = outer_r(x, w1, w2)
+    with OpCounter() as bwd:
+        out.sum().backward()
+    assert_bitwise(grads([x, w1, w2]), expected)
+    # Outer keeps its matmul x@w1 (dots_saveable); the inner block, nothing_saveable, keeps
+    # none of its own matmuls: its h@w is replayed in the backward (plain backward: 6 mm).
+    assert fwd.counts["mm"] == 3
+    assert bwd.counts["mm"] == 6 + 1
+    assert inner_calls[0] == 2  # the plain forward and the remat forward; no re-run
+    residuals = ckptfx.saved_residuals(outer_r, x, w1, w2)
+    saved = sorted(r.source for r in residuals if r.kind != "argument")
+    assert saved == sorted([
+        f"output of aten.mm at {line_of(inner, 'return u @ w')}",
+        f"output of aten.mm at {line_of(outer, 'h = torch.relu')}",
+    ])
+
+
+def test_rrelu_exact_with_early_stop_when_the_function_reruns() -> None:
+    act = nn.RReLU()
+
+    def f(x: torch.Tensor, w: torch.Tensor, calls: list[int]) -> torch.Tensor:
+        calls[0] += 1
+        buf = torch.empty(w.shape[1])
+        buf.numpy()[:] = 2.0
+        return act(x @ w) * buf  # RReLU saves its noise before filling it
+
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(6, 8, requires_grad=True)
+    expected = run(f, [x, w], x, w, [0])
+    calls = [0]
+    got = run(ckptfx.remat(f, early_stop=True, static_argnums=2), [x, w], x, w, calls)
+    assert calls[0] == 2
+    assert_bitwise(got, expected)
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def test_policy_not_callable_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="policy"):
+        ckptfx.remat(lambda x: x, policy="dots")
+
+
+def test_static_argnums_out_of_range_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="static_argnums 2"):
+        ckptfx.remat(lambda x, n: x * n, static_argnums=2)
+    block = ckptfx.remat(lambda *a: a[0] * 2, static_argnums=3)
+    with pytest.raises(ValueError, match="static_argnums 3"):
+        block(torch.randn(2, requires_grad=True))
+
+
+def test_static_argnums_pointing_at_a_tensor_is_a_value_error() -> None:
+    block = ckptfx.remat(lambda x, y: x * y, static_argnums=1)
+    x = torch.randn(2, requires_grad=True)
+    with pytest.raises(ValueError, match="static_argnums 1 points at a tensor"):
+        block(x, torch.randn(2))
+    with pytest.raises(ValueError, match="static_argnames 'y' points at a tensor"):
+        ckptfx.remat(lambda x, y: x * y, static_argnames="y")(x, y=torch.randn(2))
+
+
+def test_policy_returning_a_non_decision_is_a_type_error_naming_the_op() -> None:
+    # torch.mm, not @: Tensor.__matmul__ turns any TypeError into "unsupported operand".
+    block = ckptfx.remat(lambda x: torch.mm(x, x).sin(), policy=lambda ctx, op, *a, **k: "save")
+    with pytest.raises(TypeError, match="aten.mm"):
+        block(torch.randn(3, 3, requires_grad=True))
