@@ -25,6 +25,7 @@ import torch
 from . import _compat
 from .frame import CheckpointError, Frame, tls
 from .func import call_function_path
+from .policies import NothingSaveable
 from .session import collect
 from .trace import Tracer, reporting, residual_unpack_hook
 
@@ -95,6 +96,8 @@ def remat(
     for n in names:
         if not isinstance(n, str):
             raise TypeError(f"static_argnames must be strings, got {n!r}")
+    if isinstance(policy, NothingSaveable):
+        policy = None  # the same, without asking a policy per op
     options = RematOptions(policy, early_stop, nums, frozenset(names))
     if fun is None:
         return functools.partial(_decorate, options=options)

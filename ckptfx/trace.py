@@ -265,12 +265,13 @@ class Segment:
                 for j, slot, version in op.inputs:
                     kept = available.get((slot, version))
                     leaves[j] = vals[slot] if kept is None else kept.get()
-                args, kwargs = optree.tree_unflatten(op.spec, leaves)
+                args, kwargs = _unflatten(op.spec, leaves)
                 if op.rng is not None:
                     _set_rng(op.rng)
                 out = op.func(*args, **kwargs)
                 if op.outs:
-                    out_leaves = optree.tree_leaves(out, none_is_leaf=True)
+                    out_leaves = (out,) if type(out) is torch.Tensor else optree.tree_leaves(
+                        out, none_is_leaf=True)
                     for j, slot in op.outs:
                         vals[slot] = out_leaves[j]
         for pos, sv in targets:
@@ -296,6 +297,27 @@ class Segment:
                     needed.add(i)
                     stack.extend((s, v) for _, s, v in self.ops[i].inputs)
         return sorted(needed)
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """Leaves of an op's arguments and how to rebuild them. Most ops take flat arguments:
+    those skip the pytree library (the spec is then ``(len(args), kwarg names)``)."""
+    for a in args:
+        if type(a) is list or type(a) is tuple:
+            return optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) is list or type(a) is tuple:
+                return optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        return [*args, *kwargs.values()], (len(args), tuple(kwargs))
+    return list(args), (len(args), ())
+
+
+def _unflatten(spec: Any, leaves: list[Any]) -> tuple[tuple, dict]:
+    if type(spec) is tuple:
+        n, names = spec
+        return tuple(leaves[:n]), dict(zip(names, leaves[n:])) if names else {}
+    return optree.tree_unflatten(spec, leaves)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -417,29 +439,38 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         seg = self.seg
         info = _op_info(func)
-        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        leaves, spec = _flatten(args, kwargs)
         written: set[int] = set()
-        for i, name in info.writes:
-            v = args[i] if i < len(args) else kwargs.get(name)
-            if isinstance(v, torch.Tensor):
-                written.add(id(v))
-            elif isinstance(v, (list, tuple)):
-                written.update(id(x) for x in v if isinstance(x, torch.Tensor))
+        if info.writes:
+            for i, name in info.writes:
+                v = args[i] if i < len(args) else kwargs.get(name)
+                if isinstance(v, torch.Tensor):
+                    written.add(id(v))
+                elif isinstance(v, (list, tuple)):
+                    written.update(id(x) for x in v if isinstance(x, torch.Tensor))
         inputs = []
         device = None
+        attr, ids, base_of, writers, uninit = self.attr, self.ids, seg.base, seg.writers, self.uninit
         for j, a in enumerate(leaves):
             if isinstance(a, torch.Tensor):
-                if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
-                    seg.not_replayable(f"{func} got a tensor subclass ({type(a).__name__})")
-                slot = self._slot(a)
-                base = seg.base[slot]
-                if base in self.uninit and id(a) not in written:
+                ta = type(a)
+                if ta is not torch.Tensor and ta is not torch.nn.Parameter:
+                    seg.not_replayable(f"{func} got a tensor subclass ({ta.__name__})")
+                slot = a.__dict__.get(attr)
+                if slot is None:
+                    slot = ids.get(id(a))
+                    if slot is None:
+                        slot = self._slot(a)
+                base = base_of[slot]
+                if uninit and base in uninit and id(a) not in written:
                     seg.not_replayable(
                         f"{func} read a torch.empty buffer that no recorded op wrote (a custom "
                         "kernel or an out-of-dispatcher write filled it)")
-                inputs.append((j, slot, seg.version(slot)))
+                w = writers.get(base)
+                inputs.append((j, slot, len(w) if w else 0))
                 leaves[j] = None
-                device = device or a.device
+                if device is None and info.seeded:
+                    device = a.device
         if kwargs.get("generator") is not None:
             seg.not_replayable(f"{func} uses an explicit generator")
         if _compat.current_graph_task_id() != -1:
@@ -468,7 +499,8 @@ class Tracer(TorchDispatchMode):
                         seg.not_replayable(f"{func} writes in place to a value autograd saved")
 
         decision = None
-        out_leaves = optree.tree_leaves(out, none_is_leaf=True)
+        out_leaves = (out,) if type(out) is torch.Tensor else optree.tree_leaves(
+            out, none_is_leaf=True)
         for j, o in enumerate(out_leaves):
             if not isinstance(o, torch.Tensor):
                 continue
