@@ -7,6 +7,8 @@ block must give gradients bitwise equal to the plain block, with the same dropou
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -56,7 +58,7 @@ def make_block(ops: list[str]):
                 x = x * 1.5
                 x.add_(w[0])
             elif op == "mul_self":
-                x = x * x
+                x = x * x.tanh()
             elif op == "view_roundtrip":
                 x = x.reshape(-1).view(x.shape) * 2
             elif op == "layer_norm":
@@ -75,7 +77,8 @@ def make_block(ops: list[str]):
                 a, b = torch.cat([x, x * 3], dim=-1).split(D, dim=-1)
                 x = a * b
             elif op == "exp_sum":
-                x = x.exp() / x.exp().sum(-1, keepdim=True)
+                x = (x - x.max(-1, keepdim=True).values).exp()
+                x = x / x.sum(-1, keepdim=True)
         return x
 
     return block
@@ -88,8 +91,14 @@ def grads(fn, params: dict[str, torch.Tensor], x: torch.Tensor, seed: int) -> li
                                     allow_unused=True))
 
 
+def _bitwise(u: torch.Tensor, v: torch.Tensor) -> bool:
+    """torch.equal, except that NaN equals NaN (a block may overflow; both runs must agree)."""
+    nan_u, nan_v = torch.isnan(u), torch.isnan(v)
+    return torch.equal(nan_u, nan_v) and torch.equal(u.masked_fill(nan_u, 0), v.masked_fill(nan_v, 0))
+
+
 def same(a: list, b: list) -> bool:
-    return all((u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
+    return all((u is None and v is None) or (u is not None and v is not None and _bitwise(u, v))
                for u, v in zip(a, b))
 
 
@@ -100,19 +109,23 @@ def inputs() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return params, torch.randn(4, D, generator=g, requires_grad=True)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=int(os.environ.get("CKPTFX_PROPERTY_EXAMPLES", 60)), deadline=None, derandomize=os.environ.get("CKPTFX_PROPERTY_RANDOM") is None)
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=10),
        policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16), bf16=st.booleans())
 def test_remat_is_bitwise_exact(ops: list[str], policy, seed: int, bf16: bool) -> None:
     block = make_block(ops)
     params, x = inputs()
+    # One autocast region per run: autocast caches the bf16 casts of leaf tensors for the whole
+    # region, so a second forward in the same region would reuse the first one's casts (and
+    # their graph), for plain autograd and for torch's checkpoint alike.
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         ref = grads(block, params, x, seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         got = grads(ckptfx.remat(block, policy=policy), params, x, seed)
     assert same(ref, got), (ops, policy)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=int(os.environ.get("CKPTFX_PROPERTY_EXAMPLES", 30)), deadline=None, derandomize=os.environ.get("CKPTFX_PROPERTY_RANDOM") is None)
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=8),
        policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16))
 def test_split_session_is_bitwise_exact_and_replays_once(ops: list[str], policy, seed: int
