@@ -87,25 +87,40 @@ def active_tracer() -> "Tracer | None":
 # -- residual holders (what a kept saved tensor is packed into) ------------------------------
 
 
-class _Kept:
-    """A saved tensor kept by the policy; unpacked as is."""
+def _check_version(t: torch.Tensor, version: int) -> torch.Tensor:
+    # Saved-tensor hooks turn off autograd's own version check, so a kept tensor modified in
+    # place after it was kept (e.g. a block output the caller rewrote) is caught here: a
+    # stale residual must raise, never reach a gradient.
+    if t._version != version:
+        raise CheckpointError(
+            f"ckptfx.remat: a tensor kept for the backward ({_describe(t)}) was modified in "
+            f"place after it was kept (version {version}, now {t._version}); the backward "
+            "would read the new values. Clone it before modifying it in place."
+        )
+    return t
 
-    __slots__ = ("tensor", "__weakref__")
+
+class _Kept:
+    """A saved tensor kept by the policy; unpacked as is (checked not to have changed)."""
+
+    __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        self.version = tensor._version
 
     def get(self) -> torch.Tensor:
-        return self.tensor
+        return _check_version(self.tensor, self.version)
 
 
 class _Offloaded:
     """A saved tensor moved to host memory in the forward, brought back for the backward."""
 
-    __slots__ = ("tensor", "device", "__weakref__")
+    __slots__ = ("tensor", "device", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, pinned: bool) -> None:
         self.device = tensor.device
+        self.version = tensor._version
         if tensor.device.type == "cpu":
             self.tensor = tensor
         else:
@@ -115,7 +130,7 @@ class _Offloaded:
 
     def get(self) -> torch.Tensor:
         if self.device.type == "cpu":
-            return self.tensor
+            return _check_version(self.tensor, self.version)
         return self.tensor.to(self.device, non_blocking=True)
 
 
@@ -399,7 +414,6 @@ class Tracer(TorchDispatchMode):
         # (slot, version) -> (detached tensor, its _version, decision): every value the policy
         # lets keep, held until ``finish`` picks those the replay reads (Rule 2b).
         self.held: dict[tuple[int, int], tuple[torch.Tensor, int, Any]] = {}
-        self.aliases: dict[tuple[int, int], tuple[int, int]] = {}  # named value's source -> it
         self.pinned = frame.env.device_type is not None
         for i, t in enumerate(inputs):
             if id(t) not in self.ids:
@@ -529,30 +543,33 @@ class Tracer(TorchDispatchMode):
                     decision = call_policy(self.policy, _SAC_CTX, func, args, kwargs)
                 self.decision[slot] = decision
                 if decision is not False:
-                    self._hold(slot, o, decision)
+                    self._hold(slot, o, decision, id(o) in written)
         return out
 
-    def _hold(self, slot: int, t: torch.Tensor, decision: Any) -> None:
+    def _hold(self, slot: int, t: torch.Tensor, decision: Any, written: bool = False) -> None:
         if self.root[slot] >= 0:  # a view of an input or outside tensor: an argument
             return
-        # Detached: the held tensor must not reach its own autograd node (a reference cycle).
-        self.held[(slot, self.seg.version(slot))] = (t.detach(), t._version, decision)
+        # The tensor itself, not a detach made here: below autograd a detach gets its own
+        # version counter and would hide later in-place writes. It is detached in ``finish``
+        # (held only during the forward, so no reference cycle). An in-place op's output is
+        # bumped once more by autograd after this op returns.
+        self.held[(slot, self.seg.version(slot))] = (t, t._version + written, decision)
 
     def name(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """``checkpoint_name`` inside this trace: a view of ``x`` carrying the name."""
-        y = x.view_as(x)  # recorded as a view op; its slot gets the name's decision
-        slot = self._slot(y)
+        """``checkpoint_name`` inside this trace: the value of ``x`` carries the name.
+
+        ``x`` itself is returned (no new tensor, no recorded op): a view would change what
+        autocast caches and so the numerics, and the function re-run by a fallback replay,
+        where ``checkpoint_name`` is a plain identity, must run the same ops.
+        """
+        slot = self._slot(x)
         self.names[slot] = (name, user_call_site() if self.sites else None)
-        if self.policy is not None:
+        if self.policy is not None and self.root[slot] < 0:  # arguments are kept anyway
             decision = call_policy(self.policy, _SAC_CTX, _NAME_OP, (x,), {"name": name})
-            if decision is not False or self.decision[slot] is False:
+            if decision is not False:
                 self.decision[slot] = decision
-                if decision is not False:
-                    self._hold(slot, y, decision)
-                    # x holds the same values: a replay that needs x reads the named value
-                    self.aliases[(self._slot(x), self.seg.version(slot))] = (
-                        slot, self.seg.version(slot))
-        return y
+                self._hold(slot, x, decision)
+        return x
 
     # the autograd side -----------------------------------------------------------------
 
@@ -645,15 +662,12 @@ class Tracer(TorchDispatchMode):
             ref = seg.kept.get(sv)
             if ref is not None and ref() is not None:
                 continue
-            alias = self.aliases.get(sv)
-            ref = seg.kept.get(alias) if alias is not None else None
-            if ref is not None and ref() is not None:  # its checkpoint_name view was kept
-                seg.kept[sv] = ref
-                continue
             h = held.get(sv)
             slot, version = sv
-            if h is not None and h[0]._version == h[1]:  # not rewritten since: still that value
+            if (h is not None and h[0]._version == h[1]
+                    and seg.version(slot) == version):  # not rewritten since: still that value
                 t, _, decision = h
+                t = t.detach()  # outside the mode: shares the version counter _Kept checks
                 if isinstance(decision, Offload):
                     packed: Any = _Offloaded(t, self.pinned and decision.dst == "pinned_host")
                     self._note("offloaded", t, slot, version)
