@@ -10,6 +10,7 @@ import importlib.util
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # base of ckptfx's dispatch modes
 
 TORCH_VERSION = torch.__version__
 
@@ -43,6 +44,13 @@ SavedTensor: type = _require(torch._C._autograd, "SavedTensor")
 current_graph_task_id: Callable[[], int] = _require(torch._C, "_current_graph_task_id")
 get_graph_exec_group: Callable[[], Any] = _require(torch._C, "_get_graph_exec_group")
 current_autograd_node: Callable[[], Any] = _require(torch._C, "_current_autograd_node")
+
+
+def detach_unrecorded(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` that no TorchDispatchMode records (autograd still gives the alias
+    ``t``'s version counter, so in-place writes to ``t`` stay visible on it)."""
+    with torch._C._DisableTorchDispatch():
+        return t.detach()
 
 
 def device_context_mode() -> Any:

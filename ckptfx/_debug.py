@@ -6,7 +6,8 @@ import os
 import traceback
 from typing import Any, NoReturn
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from ._compat import TorchDispatchMode
+
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_MARKERS = (os.sep + "torch" + os.sep, os.sep + "contextlib.py")

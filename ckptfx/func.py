@@ -36,13 +36,13 @@ import optree
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from . import _compat
 from ._env import ReplayEnv
 from .frame import CheckpointError, tls
 from .policies import Offload, Policy, call_policy, checkpoint_name
+from .trace import _op_info
 from .trace import _stack as _trace_stack
 
 __all__ = ["call_function_path"]
@@ -98,19 +98,19 @@ class _Block:
         return optree.tree_unflatten(self.out_spec, leaves)
 
 
-class _KeepMode(TorchDispatchMode):
+class _KeepMode(_compat.TorchDispatchMode):
     """Forward: ask the policy per op, keep what it saves, refuse outside tensors."""
 
     def __init__(self, block: _Block) -> None:
         super().__init__()
         self.block = block
         self.index = 0
-        self.kept: list[torch.Tensor] = []
         # Only ckptfx's own policies see checkpoint_name; for them, remember which op made
         # each single-tensor output (weakly: an id alone could be reused by a later tensor).
         self.names = isinstance(block.policy, Policy)
         self.producer: dict[int, tuple[weakref.ref, int, Any]] = {}
         self.kept_index: set[int] = set()
+        self.pending: list[tuple[Any, ...]] = []  # kept op outputs, checked by finish()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,27 +118,50 @@ class _KeepMode(TorchDispatchMode):
         index, self.index = self.index, self.index + 1
         policy = self.block.policy
         if policy is not None:
+            info = _op_info(func)
+            if info.view or info.writes or info.seeded:
+                # A view is free to recompute; handing back a kept tensor for a view or an
+                # in-place op would skip the aliasing or the write the replay depends on, and
+                # skipping a random op would shift the generator for every later one.
+                return out
             decision = call_policy(policy, _SAC_CTX, func, args, kwargs)
             if decision is not False:
                 self._keep(index, func, out, decision)
             elif self.names and isinstance(out, torch.Tensor) and not func.is_view:
-                self.producer[id(out)] = (weakref.ref(out), index, func)
+                self.producer[id(out)] = (weakref.ref(out), index, func, out._version)
         return out
 
-    def _keep(self, index: int, func: Any, out: Any, decision: Any) -> None:
+    def _keep(self, index: int, func: Any, out: Any, decision: Any,
+              versions: list[int] | None = None) -> None:
         leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
         template: list[Any] = []
+        tensors: list[torch.Tensor] = []
         for o in leaves:
             if not isinstance(o, torch.Tensor):
                 template.append(o)
-            elif isinstance(decision, Offload) and o.device.type != "cpu":
-                self.kept.append(o.to("cpu"))
+                continue
+            tensors.append(o)
+            if isinstance(decision, Offload) and o.device.type != "cpu":
                 template.append(_OnHost(o.device, o.shape, o.dtype))
             else:
-                self.kept.append(o)
                 template.append(_Kept(o.shape, o.dtype))
-        self.block.kept_ops.append((index, func, spec, template))
+        self.pending.append((index, func, spec, template, tensors,
+                             versions or [t._version for t in tensors]))
         self.kept_index.add(index)
+
+    def finish(self) -> list[torch.Tensor]:
+        """The kept outputs to save: those not rewritten in place later in the forward (the
+        replay must see the value the op produced, not a later one)."""
+        kept: list[torch.Tensor] = []
+        for index, func, spec, template, tensors, versions in self.pending:
+            if any(t._version != v for t, v in zip(tensors, versions)):
+                continue
+            self.block.kept_ops.append((index, func, spec, template))
+            marks = [x for x in template if isinstance(x, _Kept)]
+            kept.extend(t.to("cpu") if isinstance(m, _OnHost) else t
+                        for t, m in zip(tensors, marks))
+        self.pending = []
+        return kept
 
     def name(self, x: Any, name: str) -> Any:
         """``checkpoint_name`` in this forward: keep the op that made ``x`` if the policy says.
@@ -154,8 +177,8 @@ class _KeepMode(TorchDispatchMode):
         if entry is None or entry[0]() is not t or entry[1] in self.kept_index:
             return x
         decision = call_policy(self.block.policy, _SAC_CTX, checkpoint_name, (x,), {"name": name})
-        if decision is not False:
-            self._keep(entry[1], entry[2], t, decision)
+        if decision is not False:  # the version the op left: a later rewrite voids the keep
+            self._keep(entry[1], entry[2], t, decision, versions=[entry[3]])
         return x
 
 
@@ -196,7 +219,7 @@ class _OutsideCheck(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _InjectMode(TorchDispatchMode):
+class _InjectMode(_compat.TorchDispatchMode):
     """Backward replay: hand back the kept outputs instead of recomputing those ops.
 
     Ops are matched by position and overload; at the first op that differs from the forward
@@ -278,7 +301,11 @@ class RematFunction(torch.autograd.Function):
         finally:
             names.pop()
         block.n_out = len(outs)
-        return (*outs, *mode.kept)
+        kept = mode.finish()
+        # An input returned as-is cannot be saved by a Function with setup_context: a view
+        # of it can (the same values, its own output identity).
+        outs = tuple(o.view_as(o) if any(o is t for t in tensors) else o for o in outs)
+        return (*outs, *kept)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

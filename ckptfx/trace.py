@@ -43,7 +43,6 @@ from typing import Any, Callable
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from . import _compat
@@ -392,7 +391,7 @@ _NAME_OP = checkpoint_name
 _SAC_CTX = SelectiveCheckpointContext(is_recompute=False)
 
 
-class Tracer(TorchDispatchMode):
+class Tracer(_compat.TorchDispatchMode):
     """Records a remat forward into a ``Segment`` and packs its saved tensors (Rules 1-2)."""
 
     def __init__(self, frame: Frame, inputs: list[torch.Tensor], policy: Any,
@@ -411,7 +410,7 @@ class Tracer(TorchDispatchMode):
         self.uninit: set[int] = set()      # base slots from torch.empty not yet written
         self.packed_bases: set[int] = set()
         self.names: dict[int, tuple[str, str | None]] = {}
-        # (slot, version) -> (detached tensor, its _version, decision): every value the policy
+        # (slot, version) -> (tensor, its expected _version, decision): every value the policy
         # lets keep, held until ``finish`` picks those the replay reads (Rule 2b).
         self.held: dict[tuple[int, int], tuple[torch.Tensor, int, Any]] = {}
         self.pinned = frame.env.device_type is not None
@@ -604,11 +603,15 @@ class Tracer(TorchDispatchMode):
             return holder
         frame.holders.append(_DEAD)
         self.packed_bases.add(self.seg.base[slot])
+        # A detached alias: an op that saves its own output (relu, exp, softmax) would
+        # otherwise hold its node through the packed tensor, a cycle gc cannot see through
+        # the C++ graph, leaking every graph that is dropped without a backward.
+        kept = _compat.detach_unrecorded(x)
         if isinstance(decision, Offload):
-            packed = _Offloaded(x, self.pinned and decision.dst == "pinned_host")
+            packed = _Offloaded(kept, self.pinned and decision.dst == "pinned_host")
             self._note("offloaded", x, slot, version)
         else:
-            packed = _Kept(x)
+            packed = _Kept(kept)
             self._note("saved", x, slot, version)
         self.seg.kept.setdefault((slot, version), weakref.ref(packed))
         return packed
@@ -640,6 +643,9 @@ class Tracer(TorchDispatchMode):
         """End of the forward: hand the segment to the frame as its replay strategy."""
         self._keep_what_the_replay_reads()
         self.frame.rerun = self.seg.replay
+        # Replayed block inputs cost no memory of their own (for recompute_session_stats).
+        self.frame.shared = frozenset(pos for pos, (slot, _) in self.seg.targets.items()
+                                      if self.root[slot] >= 0)
         return self.seg
 
     def _keep_what_the_replay_reads(self) -> None:

@@ -22,6 +22,7 @@ D = 6
 OPS = [
     "linear", "relu", "gelu", "tanh", "dropout", "add_", "mul_self", "view_roundtrip",
     "layer_norm", "softmax", "transpose_matmul", "name", "sigmoid_", "cat_split", "exp_sum",
+    "noise",
 ]
 
 POLICIES = [
@@ -76,6 +77,8 @@ def make_block(ops: list[str]):
             elif op == "cat_split":
                 a, b = torch.cat([x, x * 3], dim=-1).split(D, dim=-1)
                 x = a * b
+            elif op == "noise":
+                x = x + torch.rand_like(x) * 0.1
             elif op == "exp_sum":
                 x = (x - x.max(-1, keepdim=True).values).exp()
                 x = x / x.sum(-1, keepdim=True)
@@ -159,3 +162,23 @@ def test_split_session_is_bitwise_exact_and_replays_once(ops: list[str], policy,
         assert same(ref, [*dx, *dw]), (ops, policy)
         assert runs[0] <= 2  # forward + at most one replay (remat's segment replay: none)
     assert not ckptfx.recompute_session_stats()
+
+
+@settings(max_examples=int(os.environ.get("CKPTFX_PROPERTY_EXAMPLES", 30)), deadline=None,
+          derandomize=os.environ.get("CKPTFX_PROPERTY_RANDOM") is None)
+@given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=8),
+       policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16))
+def test_torch_func_grad_is_bitwise_exact(ops: list[str], policy, seed: int) -> None:
+    block = make_block(ops)
+    params, x = inputs()
+    params = {k: v.detach() for k, v in params.items()}
+    x = x.detach()
+
+    def loss(fn):
+        return lambda p, x: fn(p, x).square().sum()
+
+    torch.manual_seed(seed)
+    ref = torch.func.grad(loss(block), argnums=(0, 1))(params, x)
+    torch.manual_seed(seed)
+    got = torch.func.grad(loss(ckptfx.remat(block, policy=policy)), argnums=(0, 1))(params, x)
+    assert same([*ref[0].values(), ref[1]], [*got[0].values(), got[1]]), (ops, policy)
