@@ -69,6 +69,11 @@ def torch_function_depth() -> int:
     return torch._C._len_torch_function_stack()
 
 
+def dispatch_mode_depth() -> int:
+    """How many torch dispatch modes are pushed on this thread now."""
+    return torch._C._len_torch_dispatch_stack()
+
+
 def has_function_modes() -> bool:
     return bool(torch._C._len_torch_function_stack())
 

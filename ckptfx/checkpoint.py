@@ -3,6 +3,7 @@ on ckptfx's own kernel (frame.py), so that sessions and prefire work for it."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, ContextManager, TypeVar
 
 import torch
@@ -166,12 +167,14 @@ def run_checkpointed(
                   recompute_ctx=recompute_ctx, debug=logs)
     suppressed = True
     _compat.push_saved_tensors_hooks(frame.pack, unpack_hook)
+    start = time.perf_counter()
     try:
         with forward_ctx:
             out = function(*args, **kwargs)
             suppressed = False
     finally:
         _compat.pop_saved_tensors_hooks()
+    frame.forward_seconds = time.perf_counter() - start
     if suppressed:
         raise RuntimeError(
             "ckptfx.checkpoint: the forward context from context_fn suppressed an exception "

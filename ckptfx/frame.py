@@ -29,10 +29,16 @@ Rules (the invariants the code below keeps; read these before changing it)
    by default the same shape, dtype and device for each. A mismatch is a ``CheckpointError``;
    a replay never hands out a tensor it cannot vouch for.
 
-6. Early stop ends the replay once the last saved tensor exists, but only after the op that
-   saved it has finished: an op may save a buffer and fill it afterwards (``rrelu_with_noise``
-   does). The stop is armed at the last pack and fires at the next torch call the block
-   makes, which is necessarily after that op returned.
+6. Early stop ends the replay once the last saved tensor exists, but never before an op
+   that saved it has finished writing it: an op may save a buffer and fill it afterwards
+   (``rrelu_with_noise`` does). Two ways, both exact:
+   - blocks whose forward took at least ``PRECISE_STOP_SECONDS`` replay under a dispatch mode
+     that sees each op after autograd packed its inputs: once everything is packed, an op
+     that writes none of its arguments is skipped (as torch stops), one that writes runs
+     first;
+   - smaller blocks, where a dispatch mode's per-op cost would outweigh the op it saves, arm
+     a torch-function mode at the last pack that fires at the block's next torch call,
+     necessarily after the op that packed returned.
 
 7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
    a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
@@ -58,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _compat
 from ._env import ReplayEnv
+from ._ops import op_info
 
 __all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
 
@@ -88,9 +95,38 @@ class _Stop(Exception):
 
 
 class _StopAtNextCall(TorchFunctionMode):
-    # Pushed at the last pack; the next torch call the block makes ends the replay.
+    # Pushed at the last pack; the next torch call the block makes ends the replay. Calls
+    # made inside an op by a dispatch mode's handler (which runs with that mode popped) are
+    # part of the op still running and pass through.
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = _compat.dispatch_mode_depth()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _compat.dispatch_mode_depth() < self.depth:
+            return func(*args, **(kwargs or {}))
         raise _Stop
+
+
+class _StopBeforeOp(_compat.TorchDispatchMode):
+    # Active during a whole replay of a large block (Rule 6): once every saved tensor is
+    # packed, end the replay before the op at hand, or right after it if it writes in place.
+    def __init__(self, rec: "_Recorder") -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        rec = self.rec
+        if rec.count < rec.stop_at:
+            return func(*args, **(kwargs or {}))
+        if op_info(func).writes:
+            func(*args, **(kwargs or {}))
+        raise _Stop
+
+
+# Forward time above which a replay uses the precise stop (Rule 6); a dispatch mode costs a
+# few microseconds per op, the op it skips costs about a block's forward over its op count.
+PRECISE_STOP_SECONDS = 2e-3
 
 
 class Holder:
@@ -114,7 +150,7 @@ class Frame:
     __slots__ = (
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
         "recompute_ctx", "debug", "replays", "active", "session",
-        "forward_done", "ignore_count", "shared", "__weakref__",
+        "forward_done", "ignore_count", "shared", "forward_seconds", "__weakref__",
     )
 
     def __init__(
@@ -149,6 +185,7 @@ class Frame:
         self.active: Any = None  # bound by session.py; read by unpack_hook
         self.session: Any = None  # the one session registered on this frame, if any
         self.forward_done = False
+        self.forward_seconds = 0.0  # set by the caller after the forward (Rule 6)
         self.ignore_count = False
         # Positions whose replayed tensor aliases an input or a parameter (costs no memory),
         # found by the first function replay (None until then); read by session stats.
@@ -269,7 +306,7 @@ class _Recorder:
     """Pack hook of a replay: files each saved tensor at its position and checks it."""
 
     __slots__ = ("frame", "tensors", "count", "stop_at", "fn_modes", "stopper", "probe",
-                 "input_ids")
+                 "input_ids", "precise")
 
     def __init__(self, frame: Frame, tensors: Replay, inputs: list[Any]) -> None:
         self.frame = frame
@@ -277,6 +314,7 @@ class _Recorder:
         self.count = 0
         n = len(tensors)
         self.stop_at = n if frame.early_stop and n else -1
+        self.precise = self.stop_at > 0 and frame.forward_seconds >= PRECISE_STOP_SECONDS
         self.fn_modes = 0
         self.stopper: _StopAtNextCall | None = None
         # First session replay of the frame: note which saved tensors alias inputs or
@@ -288,11 +326,11 @@ class _Recorder:
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         frame = self.frame
         i = self.count
-        self.count = i + 1
         if self.probe is not None and _aliases_input_or_leaf(x, self.input_ids):
             self.probe.append(i)
         if x.requires_grad:
-            x = x.detach()
+            x = x.detach()  # before the count moves on: the precise stop sees this detach
+        self.count = i + 1
         if i >= len(self.tensors):
             if not frame.forward_done:
                 # Backward inside the block during its own forward: the replay may see more
@@ -318,7 +356,8 @@ class _Recorder:
                     f"  replay:   shape={tuple(x.shape)} dtype={x.dtype} device={x.device}\n"
                     + DEBUG_TIP
                 )
-        if self.count == self.stop_at and _compat.torch_function_depth() == self.fn_modes:
+        if (self.count == self.stop_at and not self.precise
+                and _compat.torch_function_depth() == self.fn_modes):
             self.stopper = _StopAtNextCall()
             self.stopper.__enter__()
         return x
@@ -349,7 +388,11 @@ def rerun_function(frame: Frame, tensors: Replay) -> None:
         with torch.enable_grad(), frame.env.restored(), ctx:
             rec.fn_modes = _compat.torch_function_depth()
             try:
-                frame.fn(*args, **frame.kwargs)
+                if rec.precise:
+                    with _StopBeforeOp(rec):
+                        frame.fn(*args, **frame.kwargs)
+                else:
+                    frame.fn(*args, **frame.kwargs)
             except _Stop:
                 pass
             finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import time
 from typing import Any, Callable, Sequence, TypeVar
 
 import optree
@@ -201,6 +202,7 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     names = argument_names(fun, dyn_args, dyn_kwargs) if reporting() else None
     tracer = Tracer(frame, tensors, options.policy, names)
     _compat.push_saved_tensors_hooks(tracer.pack, residual_unpack_hook)
+    start = time.perf_counter()
     try:
         with tracer:
             out = flat_fun(*tensors)
@@ -218,6 +220,7 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         raise
     else:
         _compat.pop_saved_tensors_hooks()
+    frame.forward_seconds = time.perf_counter() - start
     tracer.finish()
     frame.forward_done = True
     collect(frame)

@@ -47,17 +47,13 @@ from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from . import _compat
 from ._debug import user_call_site
+from ._ops import op_info as _op_info
 from .frame import CheckpointError, Frame, Holder, Replay, rerun_function
 from .policies import Offload, call_policy, checkpoint_name
 
 __all__ = ["Segment", "Tracer", "active_tracer", "reporting", "residual_unpack_hook"]
 
 aten = torch.ops.aten
-_EMPTY_OPS = frozenset({
-    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
-    aten.new_empty.default, aten.new_empty_strided.default,
-})
-_SEEDED = torch.Tag.nondeterministic_seeded
 _token = itertools.count()
 
 
@@ -171,29 +167,6 @@ _DEAD = _DeadRef()
 # -- op facts, cached per OpOverload --------------------------------------------------------
 
 
-class _OpInfo:
-    __slots__ = ("seeded", "writes", "view", "empty")
-
-    def __init__(self, func: Any) -> None:
-        schema = func._schema
-        self.seeded = _SEEDED in func.tags
-        self.writes = tuple(
-            (i, a.name) for i, a in enumerate(schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-        self.view = any(r.alias_info is not None and not r.alias_info.is_write
-                        for r in schema.returns)
-        self.empty = func in _EMPTY_OPS
-
-
-_OP_INFO: dict[Any, _OpInfo] = {}
-
-
-def _op_info(func: Any) -> _OpInfo:
-    info = _OP_INFO.get(func)
-    if info is None:
-        info = _OP_INFO[func] = _OpInfo(func)
-    return info
 
 
 # -- the recorded segment -------------------------------------------------------------------

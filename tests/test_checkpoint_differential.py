@@ -186,9 +186,17 @@ def run_case(name: str, variant: str, autocast: bool, **options: Any):
     return grads(leaves), out, block.calls, rng_moved
 
 
+@pytest.fixture(params=["deferred", "precise"])
+def stop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both early-stop mechanisms of frame.py's Rule 6, whatever the block's forward time."""
+    monkeypatch.setattr(ckptfx.frame, "PRECISE_STOP_SECONDS",
+                        0.0 if request.param == "precise" else float("inf"))
+    return request.param
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_differential(name: str, autocast: bool) -> None:
+def test_differential(name: str, autocast: bool, stop: str) -> None:
     results = {v: run_case(name, v, autocast) for v in VARIANTS}
     g_plain, out_plain, calls_plain, _ = results["plain"]
     g_ck, out_ck, calls_ck, rng_moved_ck = results["ckptfx"]
@@ -216,11 +224,42 @@ def test_differential(name: str, autocast: bool) -> None:
 
 @pytest.mark.parametrize("early_stop", [True, False])
 @pytest.mark.parametrize("name", ["rrelu_last", "dropout", "inplace"])
-def test_early_stop_never_changes_gradients(name: str, early_stop: bool) -> None:
+def test_early_stop_never_changes_gradients(name: str, early_stop: bool, stop: str) -> None:
     g_plain = run_case(name, "plain", False)[0]
     g_ck, _, calls, _ = run_case(name, "ckptfx", False, early_stop=early_stop)
     assert_bitwise(g_ck, g_plain)
     assert calls == 2
+
+
+@pytest.mark.parametrize("last", ["linear", "rrelu"])
+def test_precise_stop_skips_the_last_op_unless_it_writes(
+        last: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The precise stop ends the replay before the op whose inputs were the last saved tensors,
+    like torch, except when that op writes in place (rrelu fills its saved noise buffer)."""
+    torch.manual_seed(0)
+    lin1, lin2, act = nn.Linear(D, D), nn.Linear(D, D), nn.RReLU(0.1, 0.3)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(lin1(x))
+        return lin2(h) if last == "linear" else act(h)
+
+    x = _x(3, D)
+    torch.manual_seed(1)
+    g_plain = torch.autograd.grad(block(x).sum(), [x, *lin1.parameters()])
+    replayed = {}
+    for mode, threshold in (("precise", 0.0), ("deferred", float("inf"))):
+        monkeypatch.setattr(ckptfx.frame, "PRECISE_STOP_SECONDS", threshold)
+        torch.manual_seed(1)
+        out = ckptfx.checkpoint(block, x)
+        with _OpCounter() as ops:
+            g = torch.autograd.grad(out.sum(), [x, *lin1.parameters()])
+        assert_bitwise(g, g_plain)
+        replayed[mode] = ops.counts
+    if last == "linear":  # the final addmm is skipped only by the precise stop
+        assert replayed["precise"].get("aten.addmm", 0) + 1 == replayed["deferred"]["aten.addmm"]
+    else:  # rrelu_with_noise writes its saved noise: both stops let it finish
+        assert replayed["precise"]["aten.rrelu_with_noise"] == 1
+        assert replayed["deferred"]["aten.rrelu_with_noise"] == 1
 
 
 # -- nested checkpoints --------------------------------------------------------------------
@@ -404,3 +443,16 @@ def test_checkpoint_wrapper_replays_once_per_backward() -> None:
     assert type(block) is _Block
     block(_x(4, D)).sum().backward()
     assert inner_calls.calls == 3
+
+
+def test_early_stop_exact_under_a_user_dispatch_mode(stop: str) -> None:
+    """A dispatch mode active during backward (a FLOP counter, a profiler) runs torch calls
+    inside each op; the stop must still wait for rrelu to fill its saved noise."""
+    g_plain = run_case("rrelu_last", "plain", False)[0]
+    torch.manual_seed(0)
+    fn, args, kwargs, leaves = CASES["rrelu_last"](checkpoint_fn("ckptfx"))
+    out = ckptfx.checkpoint(fn, *args, **kwargs)
+    loss = _loss(out)
+    with _OpCounter():
+        loss.backward()
+    assert_bitwise(grads(leaves), g_plain)

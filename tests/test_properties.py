@@ -112,7 +112,7 @@ def inputs() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return params, torch.randn(4, D, generator=g, requires_grad=True)
 
 
-@settings(max_examples=int(os.environ.get("CKPTFX_PROPERTY_EXAMPLES", 60)), deadline=None, derandomize=os.environ.get("CKPTFX_PROPERTY_RANDOM") is None)
+@settings(max_examples=int(os.environ.get("CKPTFX_PROPERTY_EXAMPLES", 150)), deadline=None, derandomize=os.environ.get("CKPTFX_PROPERTY_RANDOM") is None)
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=10),
        policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16), bf16=st.booleans())
 def test_remat_is_bitwise_exact(ops: list[str], policy, seed: int, bf16: bool) -> None:
