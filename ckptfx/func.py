@@ -383,7 +383,9 @@ def _n_bound(block: _Block) -> int:
     return sum(len(names) for _, names in block.bindings)
 
 
-def _modules_of(fun: Callable[..., Any], leaves: list[Any]) -> list[nn.Module]:
+def modules_read_by(fun: Callable[..., Any], leaves: list[Any]) -> list[nn.Module]:
+    """The outermost nn.Modules a function can read tensors from: among its arguments' leaves,
+    its ``self``, and its closure."""
     found: list[nn.Module] = []
     for leaf in leaves:
         if isinstance(leaf, nn.Module):
@@ -426,7 +428,7 @@ def call_function_path(fun: Callable[..., Any], policy: Any, leaves: list[Any], 
         )
     bindings: list[tuple[nn.Module, list[str]]] = []
     bound: list[torch.Tensor] = []
-    for module in _modules_of(fun, [*leaves, *tensors]):
+    for module in modules_read_by(fun, [*leaves, *tensors]):
         named = dict(module.named_parameters(remove_duplicate=False))
         named.update(module.named_buffers(remove_duplicate=False))
         bindings.append((module, list(named)))

@@ -16,6 +16,7 @@ import optree
 import torch
 from torch import nn
 
+from .func import modules_read_by
 from .policies import everything_saveable
 from .remat import RematOptions, call, unwrap
 from .trace import Tracer, _stack
@@ -84,7 +85,7 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
             call(target, options, args, kwargs)
     finally:
         _stack.report = outer
-    modules = _modules_near(fun, args, kwargs)
+    modules = modules_read_by(fun, optree.tree_leaves((args, kwargs), none_is_leaf=True))
     out: list[Residual] = []
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     for tracer, kind, x, slot, version in report:
@@ -135,22 +136,6 @@ def _root_tensor(tracer: Tracer, slot: int, x: torch.Tensor) -> torch.Tensor:
     if slot in seg.input_slots:
         return tracer.frame.inputs[seg.input_slots.index(slot)].unpack()
     return x
-
-
-def _modules_near(fun: Callable[..., Any], args: Any, kwargs: Any) -> list[nn.Module]:
-    found = [m for m in optree.tree_leaves((args, kwargs), none_is_leaf=True)
-             if isinstance(m, nn.Module)]
-    owner = getattr(fun, "__self__", None)
-    if isinstance(owner, nn.Module):
-        found.append(owner)
-    for cell in getattr(fun, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if isinstance(value, nn.Module):
-            found.append(value)
-    return found
 
 
 def _outside_name(t: torch.Tensor, modules: list[nn.Module]) -> str | None:

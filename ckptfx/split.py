@@ -667,14 +667,11 @@ class _Split:
                 "was cleared, which releases it); make a new split")
 
 
-class SplitInputFn:
-    """``dx_fn`` of ``vjp_split``: ``dx_fn(cotangent)`` returns the input gradients.
-
-    ``dx_fn.prefire()`` replays the checkpointed blocks for the session now (a scheduler may
-    call it whenever it likes before dx_fn); ``dx_fn.session`` is the session key.
-    """
+class _SplitFn:
+    """A half of a ``vjp_split``: holds the split and knows its session."""
 
     __slots__ = ("_split",)
+    _name = ""
 
     def __init__(self, split: _Split) -> None:
         self._split = split
@@ -682,6 +679,20 @@ class SplitInputFn:
     @property
     def session(self) -> Hashable:
         return self._split.key
+
+    def __repr__(self) -> str:
+        return f"<vjp_split {self._name}, session {self._split.key!r}, {self._split.state}>"
+
+
+class SplitInputFn(_SplitFn):
+    """``dx_fn`` of ``vjp_split``: ``dx_fn(cotangent)`` returns the input gradients.
+
+    ``dx_fn.prefire()`` replays the checkpointed blocks for the session now (a scheduler may
+    call it whenever it likes before dx_fn); ``dx_fn.session`` is the session key.
+    """
+
+    __slots__ = ()
+    _name = "dx_fn"
 
     def prefire(self) -> None:
         self._split.prefire()
@@ -689,27 +700,15 @@ class SplitInputFn:
     def __call__(self, cotangent: Any) -> Any:
         return self._split.dx(cotangent)
 
-    def __repr__(self) -> str:
-        return f"<vjp_split dx_fn, session {self._split.key!r}, {self._split.state}>"
 
-
-class SplitWeightFn:
+class SplitWeightFn(_SplitFn):
     """``dw_fn`` of ``vjp_split``: ``dw_fn()`` returns the weight gradients and releases all."""
 
-    __slots__ = ("_split",)
-
-    def __init__(self, split: _Split) -> None:
-        self._split = split
-
-    @property
-    def session(self) -> Hashable:
-        return self._split.key
+    __slots__ = ()
+    _name = "dw_fn"
 
     def __call__(self) -> Any:
         return self._split.dw()
-
-    def __repr__(self) -> str:
-        return f"<vjp_split dw_fn, session {self._split.key!r}, {self._split.state}>"
 
 
 def vjp_split(
