@@ -10,7 +10,17 @@ import importlib.util
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode  # base of ckptfx's dispatch modes
+from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
+
+
+class TorchDispatchMode(_TorchDispatchMode):
+    """Base of ckptfx's dispatch modes. torch wraps every subclass's ``__torch_dispatch__`` in
+    a dynamo-disable shim that costs a few microseconds per op; ckptfx's handlers run eagerly
+    (under torch.compile ckptfx hands checkpointing to torch), so they opt out of it."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
 TORCH_VERSION = torch.__version__
 
