@@ -136,6 +136,43 @@ def bench_split(d: int, hidden: int, batch: int, nblocks: int, rounds: int,
     return {v: (statistics.median(times[v]), runs[v]) for v in VARIANTS}
 
 
+def bench_phases(d: int, hidden: int, batch: int, nblocks: int, rounds: int) -> dict[str, float]:
+    """Median ms of each phase of the step: no checkpoint (forward, backward) against ckptfx
+    (forward, prefire, backward under the session) - where the split step's overhead goes."""
+    torch.manual_seed(0)
+    blocks = [MLPBlock(d, hidden) for _ in range(nblocks)]
+    x = torch.randn(batch, d, requires_grad=True)
+    g = torch.randn(batch, d)
+    params = [p for b in blocks for p in b.parameters()]
+    times: dict[str, list[float]] = {k: [] for k in
+                                     ("none fwd", "none bwd", "ckptfx fwd", "prefire", "ckptfx bwd")}
+    for r in range(rounds + 1):  # the first round warms up
+        t0 = time.perf_counter()
+        h = x
+        for b in blocks:
+            h = b(h)
+        t1 = time.perf_counter()
+        split_backward(h, x, params, g, None)
+        t2 = time.perf_counter()
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            h = x
+            for b in blocks:
+                h = ckptfx.checkpoint(b, h)
+        t3 = time.perf_counter()
+        try:
+            for hd in handles:
+                ckptfx.recompute_handle(hd, "mb")
+            t4 = time.perf_counter()
+            split_backward(h, x, params, g, "mb")
+            t5 = time.perf_counter()
+        finally:
+            ckptfx.clear_recompute_session("mb")
+        if r:
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                times[k].append(v)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def _tiny(t: torch.Tensor) -> torch.Tensor:
     return t.sin()
 
@@ -167,6 +204,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (smoke run)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
+    parser.add_argument("--phases", action="store_true",
+                        help="only the phase breakdown of the large split step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     quick = args.quick
@@ -178,6 +217,14 @@ def main() -> None:
         ("large", dict(d=512, hidden=2048, batch=64), 15 if not quick else 3, 2 if not quick else 1),
     ]
     nblocks = 6
+    if args.phases:
+        ph = bench_phases(nblocks=nblocks, rounds=args.rounds or 12, **configs[1][1])
+        plain = ph["none fwd"] + ph["none bwd"]
+        print(f"\nphases of the large split step, ms (medians): {ph}")
+        print(f"  plain step {plain:.1f} ms; ckptfx adds forward "
+              f"{ph['ckptfx fwd'] - ph['none fwd']:+.1f}, prefire {ph['prefire']:+.1f} "
+              f"({ph['prefire'] / plain:.1%}), backward {ph['ckptfx bwd'] - ph['none bwd']:+.1f} ms")
+        return
     for name, shape, rounds, inner in configs:
         rounds = args.rounds or rounds
         res = bench_split(nblocks=nblocks, rounds=rounds, inner=inner, **shape)
