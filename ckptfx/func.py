@@ -24,6 +24,13 @@ The same Function serves plain autograd for blocks that use ``torch.func.grad``/
 inside (those cannot run under saved-tensor hooks); such calls have no kernel frame, so
 collectors and prefire do not see them, and calling one inside ``recompute_session_ctx`` is a
 ``CheckpointError`` (sessions need plain autograd).
+
+Known limits: reverse-over-reverse where the cotangent itself depends on the differentiated
+inputs agrees with the plain function to ~1e-6, not bitwise (the replay's second-order terms
+are summed in another order; hessian, jacrev of jacrev and grad of grad with a constant
+cotangent are bitwise). jacrev/jacfwd of a block with random ops raises functorch's randomness
+error, because the replay runs inside the vmapped backward; use ``vmap(vjp)`` with
+``randomness="same"`` or ``"different"`` there.
 """
 
 from __future__ import annotations
