@@ -14,14 +14,22 @@ _EMPTY_OPS = frozenset({
     aten.new_empty.default, aten.new_empty_strided.default,
 })
 _SEEDED = torch.Tag.nondeterministic_seeded
+# Ops that return an alias of their input although their schema does not say so: a write
+# through the result rewrites the input (matmul's _unsafe_view of its mm), so they count as
+# aliases (not views: the policy still decides on them) in remat's version bookkeeping.
+_UNANNOTATED_VIEWS = frozenset({
+    aten._unsafe_view.default, aten.unsafe_split.Tensor,
+    aten.unsafe_split_with_sizes.default, aten.unsafe_chunk.default,
+})
 
 
 class OpInfo:
     """``seeded``: draws from a generator; ``writes``: (position, name) of the arguments it
-    writes in place; ``view``: returns an alias of an input; ``empty``: allocates without
+    writes in place; ``view``: returns an alias of an input; ``alias``: a view, or an op that
+    returns an alias although its schema does not say so; ``empty``: allocates without
     initialising."""
 
-    __slots__ = ("seeded", "writes", "view", "empty")
+    __slots__ = ("seeded", "writes", "view", "alias", "empty")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -32,6 +40,7 @@ class OpInfo:
         )
         self.view = any(r.alias_info is not None and not r.alias_info.is_write
                         for r in schema.returns)
+        self.alias = self.view or func in _UNANNOTATED_VIEWS
         self.empty = func in _EMPTY_OPS
 
 

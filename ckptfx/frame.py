@@ -103,9 +103,16 @@ class _StopAtNextCall(TorchFunctionMode):
         self.depth = _compat.dispatch_mode_depth()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if _compat.dispatch_mode_depth() < self.depth:
+        # Attribute access computes nothing and passes too: an in-place op whose saved
+        # inputs were just packed (mul_ by a tensor saves self first) sets _backward_hooks
+        # through the Python setter from C++, where a raise becomes a SystemError.
+        if (_compat.dispatch_mode_depth() < self.depth
+                or getattr(func, "__name__", None) in _ATTRIBUTE_ACCESS):
             return func(*args, **(kwargs or {}))
         raise _Stop
+
+
+_ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
 
 
 class _StopBeforeOp(_compat.TorchDispatchMode):

@@ -75,6 +75,7 @@ class _Block:
         self.out_leaves: list[Any] = []
         self.out_positions: list[int] = []
         self.kept_ops: list[tuple[int, Any, Any, list[Any]]] = []  # index, op, spec, leaves
+        self.op_funcs: list[Any] = []  # every op of the forward, in order (see _InjectMode)
         self.env: ReplayEnv | None = None
         self.n_out = 0
         self.runs = 0  # how often the block ran (forward + replays)
@@ -118,14 +119,25 @@ class _KeepMode(_compat.TorchDispatchMode):
         self.producer: dict[int, tuple[weakref.ref, int, Any]] = {}
         self.kept_index: set[int] = set()
         self.pending: list[tuple[Any, ...]] = []  # kept op outputs, checked by finish()
+        self.funcs: list[Any] = []
+        # (op index, storage) of each in-place write: a write through a tensor that shares
+        # storage but not the version counter (matmul's _unsafe_view of a kept mm) rewrites
+        # a kept value without moving its _version.
+        self.written: list[tuple[int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         index, self.index = self.index, self.index + 1
+        self.funcs.append(func)
         policy = self.block.policy
         if policy is not None:
             info = _op_info(func)
+            for i, name in info.writes:
+                v = args[i] if i < len(args) else kwargs.get(name)
+                for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(t, torch.Tensor):
+                        self.written.append((index, _storage(t)))
             if info.view or info.writes or info.seeded:
                 # A view is free to recompute; handing back a kept tensor for a view or an
                 # in-place op would skip the aliasing or the write the replay depends on, and
@@ -160,8 +172,12 @@ class _KeepMode(_compat.TorchDispatchMode):
         """The kept outputs to save: those not rewritten in place later in the forward (the
         replay must see the value the op produced, not a later one)."""
         kept: list[torch.Tensor] = []
+        self.block.op_funcs = self.funcs
         for index, func, spec, template, tensors, versions in self.pending:
             if any(t._version != v for t, v in zip(tensors, versions)):
+                continue
+            storages = {_storage(t) for t in tensors}
+            if any(i > index and s in storages for i, s in self.written):
                 continue
             self.block.kept_ops.append((index, func, spec, template))
             marks = [x for x in template if isinstance(x, _Kept)]
@@ -230,8 +246,10 @@ class _InjectMode(_compat.TorchDispatchMode):
     """Backward replay: hand back the kept outputs instead of recomputing those ops.
 
     Ops are matched by position and overload; at the first op that differs from the forward
-    (a different decomposition under grad tracking) injection stops and the rest is
-    recomputed, which is always exact.
+    (a different decomposition under grad tracking, or an op autograd adds, such as the copy
+    of ``self`` an in-place ``mul_`` saves) injection stops and the rest is recomputed, which
+    is always exact. Every op is compared, not only kept ones: after an added op, a kept
+    position can hold another call of the same overload.
     """
 
     def __init__(self, block: _Block, kept: tuple[torch.Tensor, ...]) -> None:
@@ -239,6 +257,7 @@ class _InjectMode(_compat.TorchDispatchMode):
         self.block = block
         self.index = 0
         self.by_op: dict[int, tuple[Any, Any, list[Any]]] = {}
+        self.funcs = block.op_funcs
         it = iter(kept)
         for index, func, spec, template in block.kept_ops:
             filled = []
@@ -256,6 +275,8 @@ class _InjectMode(_compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         index, self.index = self.index, self.index + 1
+        if self.by_op and (index >= len(self.funcs) or self.funcs[index] is not func):
+            self.by_op.clear()
         entry = self.by_op.get(index)
         if entry is not None:
             if entry[0] is func:
@@ -284,6 +305,14 @@ class _OnHost(_Kept):
     def __init__(self, device: torch.device, shape: torch.Size, dtype: torch.dtype) -> None:
         super().__init__(shape, dtype)
         self.device = device
+
+
+def _storage(t: torch.Tensor) -> int:
+    """An id of the memory ``t`` lives in (its storage's address; 0 when it has none)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def _unwrap(t: torch.Tensor) -> torch.Tensor:

@@ -496,7 +496,7 @@ class Tracer(_compat.TorchDispatchMode):
             if slot is None:
                 base = None
                 root = -1
-                if info.view and inputs:
+                if info.alias and inputs:  # shares the input's storage: and its versions
                     src = inputs[0][1]
                     base = seg.base[src]
                     root = self.root[src]

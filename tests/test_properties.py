@@ -22,7 +22,7 @@ D = 6
 OPS = [
     "linear", "relu", "gelu", "tanh", "dropout", "add_", "mul_self", "view_roundtrip",
     "layer_norm", "softmax", "transpose_matmul", "name", "sigmoid_", "cat_split", "exp_sum",
-    "noise",
+    "noise", "matmul3d_add_",
 ]
 
 POLICIES = [
@@ -77,6 +77,10 @@ def make_block(ops: list[str]):
             elif op == "cat_split":
                 a, b = torch.cat([x, x * 3], dim=-1).split(D, dim=-1)
                 x = a * b
+            elif op == "matmul3d_add_":  # mm + _unsafe_view, then a write through the view
+                y = x.reshape(2, 2, D) @ w
+                y.add_(0.5)
+                x = y.reshape(4, D)
             elif op == "noise":
                 x = x + torch.rand_like(x) * 0.1
             elif op == "exp_sum":
