@@ -92,17 +92,6 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def saved_tensors_hooks_disabled_reason() -> str | None:
-    """Why pushing saved-tensor hooks would fail now (torch.func transforms), or None."""
-    try:
-        torch._C._autograd._saved_tensors_hooks_is_enabled  # noqa: B018
-    except AttributeError:  # pragma: no cover
-        return None
-    if torch._C._autograd._saved_tensors_hooks_is_enabled():
-        return None
-    return "saved tensor hooks are disabled here (a torch.func transform is active)"
-
-
 def functorch_level() -> int:
     """Nesting depth of active torch.func transforms (0 under plain autograd)."""
     level = torch._C._functorch.maybe_current_level()

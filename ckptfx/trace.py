@@ -129,20 +129,6 @@ class _Offloaded:
         return self.tensor.to(self.device, non_blocking=True)
 
 
-class _Argument:
-    """A block input saved by autograd: read back through the frame's saved inputs, so a
-    parent checkpoint still owns it (torch's nesting rule)."""
-
-    __slots__ = ("frame", "index")
-
-    def __init__(self, frame: Frame, index: int) -> None:
-        self.frame = frame
-        self.index = index
-
-    def get(self) -> torch.Tensor:
-        return self.frame.inputs[self.index].unpack()
-
-
 def residual_unpack_hook(packed: Any) -> torch.Tensor:
     """Unpack hook of remat frames: kernel holders replay, kept residuals are handed out."""
     if packed.__class__ is Holder:
