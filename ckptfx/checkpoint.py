@@ -12,7 +12,7 @@ from torch import nn
 
 from . import _compat
 from ._debug import DebugLogs
-from .frame import CheckpointError, Frame, tls, unpack_hook
+from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from .session import collect
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
@@ -149,13 +149,7 @@ def run_checkpointed(
     """The forward of a checkpoint call, options already checked."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    if tls.scheduled_replay:
-        raise CheckpointError(
-            "ckptfx: a checkpoint was created while a block was being replayed for a recompute "
-            "session (prefire or session backward). Nested checkpoints are not supported under "
-            "scheduled recomputation in this version: checkpoint the outer block only, or run "
-            "this backward without a session."
-        )
+    refuse_new_frame_in_scheduled_replay("a checkpoint")
     logs = None
     if debug:
         logs = DebugLogs()

@@ -90,6 +90,18 @@ class _ThreadState(threading.local):
 tls = _ThreadState()
 
 
+def refuse_new_frame_in_scheduled_replay(what: str) -> None:
+    """A frame created while a block is replayed for a session is not supported (yet)."""
+    if tls.scheduled_replay:
+        raise CheckpointError(
+            f"ckptfx: {what} was created while a block was being replayed for a recompute "
+            "session (prefire or session backward). Nested blocks replayed by re-running "
+            "their function are not supported under scheduled recomputation in this version: "
+            "checkpoint the outer block only (a remat'd outer block replays its recorded ops "
+            "and has no such limit), or run this backward without a session."
+        )
+
+
 class _Stop(Exception):
     """Raised inside the block to end a replay early (Rule 6)."""
 

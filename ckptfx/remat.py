@@ -24,7 +24,7 @@ import optree
 import torch
 
 from . import _compat
-from .frame import CheckpointError, Frame, tls
+from .frame import Frame, refuse_new_frame_in_scheduled_replay
 from .func import call_function_path
 from .policies import NothingSaveable
 from .session import collect
@@ -168,12 +168,7 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     dyn_args, dyn_kwargs, static_pos, static_kw = _split_static(options, args, kwargs)
     if not torch.is_grad_enabled():
         return fun(*args, **kwargs)
-    if tls.scheduled_replay:
-        raise CheckpointError(
-            "ckptfx.remat: a remat'd block was called while a block was being replayed for a "
-            "recompute session. Nested blocks replayed by re-running their function are not "
-            "supported under scheduled recomputation in this version."
-        )
+    refuse_new_frame_in_scheduled_replay("a remat'd block")
     leaves, spec = optree.tree_flatten((dyn_args, dyn_kwargs), none_is_leaf=True)
     positions = [j for j, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [leaves[j] for j in positions]
