@@ -116,6 +116,28 @@ def direct_replay(fns: dict[str, Callable], x: torch.Tensor, repeats: int) -> di
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+class _DotBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every dot output in a forward: what torch's SAC with ``sac_dots`` caches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in DOTS:
+            self.nbytes += out.numel() * out.element_size()
+        return out
+
+
+def saved_bytes(block: Block, x: torch.Tensor) -> tuple[int, int]:
+    """(torch SAC's cached dot outputs, ckptfx dots_saveable's kept residuals), in bytes."""
+    with _DotBytes() as counter:
+        block(x)
+    kept = ckptfx.saved_residuals(ckptfx.remat(block.forward, policy=cp.dots_saveable), x)
+    return counter.nbytes, sum(r.nbytes for r in kept if r.kind != "argument")
+
+
 def measure(b: int, t: int, d: int, repeats: int) -> None:
     torch.manual_seed(0)
     block = Block(d)
@@ -139,6 +161,9 @@ def measure(b: int, t: int, d: int, repeats: int) -> None:
     print(f"\n== batch {b}, seq {t}, d {d} (plain fwd {med['plain'][0]*1e3:.2f} ms, "
           f"bwd {base_bwd*1e3:.2f} ms, {repeats} repeats)")
     direct = direct_replay(fns, x, repeats)
+    torch_bytes, ckptfx_bytes = saved_bytes(block, x)
+    print(f"dots     saved beyond the inputs: torch SAC {torch_bytes / 2**20:.2f} MiB, ckptfx "
+          f"{ckptfx_bytes / 2**20:.2f} MiB (only the dot outputs the backward reads)")
     for pol in ("nothing", "dots"):
         tn, cn = f"torch:{pol}", f"ckptfx:{pol}"
         print(f"{pol:8s} replay alone: torch {direct[tn]*1e3:7.2f} ms  ckptfx "
