@@ -168,14 +168,13 @@ def run_checkpointed(
             suppressed = False
     finally:
         _compat.pop_saved_tensors_hooks()
-    frame.forward_seconds = time.perf_counter() - start
     if suppressed:
         raise RuntimeError(
             "ckptfx.checkpoint: the forward context from context_fn suppressed an exception "
             "raised by the checkpointed function; checkpoint has no output to return for a "
             "failed forward."
         )
-    frame.forward_done = True
+    frame.forward_finished(start)
     collect(frame)
     return out
 

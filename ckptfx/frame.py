@@ -38,7 +38,9 @@ Rules (the invariants the code below keeps; read these before changing it)
      first;
    - smaller blocks, where a dispatch mode's per-op cost would outweigh the op it saves, arm
      a torch-function mode at the last pack that fires at the block's next torch call,
-     necessarily after the op that packed returned.
+     necessarily after the op that packed returned;
+   - blocks whose forward ran for less than ``EARLY_STOP_MIN_TAIL_SECONDS`` after the last
+     pack do not stop early: stopping would cost more than the tail it skips.
 
 7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
    a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from typing import Any, Callable, Hashable
 
@@ -146,6 +149,9 @@ class _StopBeforeOp(_compat.TorchDispatchMode):
 # Forward time above which a replay uses the precise stop (Rule 6); a dispatch mode costs a
 # few microseconds per op, the op it skips costs about a block's forward over its op count.
 PRECISE_STOP_SECONDS = 2e-3
+# Stopping early costs ~10 us (a mode, an exception through the block); when the forward ran
+# for less than this after its last saved tensor, the replay runs to the end instead.
+EARLY_STOP_MIN_TAIL_SECONDS = 15e-6
 
 
 class Holder:
@@ -169,7 +175,8 @@ class Frame:
     __slots__ = (
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
         "recompute_ctx", "debug", "replays", "active", "session",
-        "forward_done", "ignore_count", "shared", "forward_seconds", "__weakref__",
+        "forward_done", "ignore_count", "shared", "forward_seconds", "tail_seconds",
+        "last_pack", "__weakref__",
     )
 
     def __init__(
@@ -205,6 +212,8 @@ class Frame:
         self.session: Any = None  # the one session registered on this frame, if any
         self.forward_done = False
         self.forward_seconds = 0.0  # set by the caller after the forward (Rule 6)
+        self.last_pack = 0.0  # perf_counter() at the last pack of the forward
+        self.tail_seconds = float("inf")  # forward time after the last pack (Rule 6)
         self.ignore_count = False
         # Positions whose replayed tensor aliases an input or a parameter (costs no memory),
         # found by the first function replay (None until then); read by session stats.
@@ -217,7 +226,16 @@ class Frame:
         self.holders.append(weakref.ref(holder))
         if self.metas is not None:
             self.metas.append((x.shape, x.dtype, x.device))
+        self.last_pack = time.perf_counter()
         return holder
+
+    def forward_finished(self, start: float) -> None:
+        """Record the forward's duration and its tail after the last pack (Rule 6)."""
+        end = time.perf_counter()
+        self.forward_seconds = end - start
+        if self.last_pack:
+            self.tail_seconds = end - self.last_pack
+        self.forward_done = True
 
     def saved_inputs(self) -> list[Any]:
         return [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.inputs]
@@ -332,7 +350,8 @@ class _Recorder:
         self.tensors = tensors
         self.count = 0
         n = len(tensors)
-        self.stop_at = n if frame.early_stop and n else -1
+        self.stop_at = (n if frame.early_stop and n
+                        and frame.tail_seconds >= EARLY_STOP_MIN_TAIL_SECONDS else -1)
         self.precise = self.stop_at > 0 and frame.forward_seconds >= PRECISE_STOP_SECONDS
         self.fn_modes = 0
         self.stopper: _StopAtNextCall | None = None

@@ -215,9 +215,8 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         raise
     else:
         _compat.pop_saved_tensors_hooks()
-    frame.forward_seconds = time.perf_counter() - start
+    frame.forward_finished(start)
     tracer.finish()
-    frame.forward_done = True
     collect(frame)
     return out
 

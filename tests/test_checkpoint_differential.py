@@ -456,3 +456,32 @@ def test_early_stop_exact_under_a_user_dispatch_mode(stop: str) -> None:
     with _OpCounter():
         loss.backward()
     assert_bitwise(grads(leaves), g_plain)
+
+
+@pytest.mark.parametrize("tail_ms", [0.0, 2.0])
+def test_early_stop_only_when_the_tail_is_worth_it(tail_ms: float,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay skips the ops after the last saved tensor only when the forward spent at least
+    EARLY_STOP_MIN_TAIL_SECONDS there; gradients are exact either way."""
+    import time as _time
+
+    monkeypatch.setattr(ckptfx.frame, "EARLY_STOP_MIN_TAIL_SECONDS", 1e-3)
+    monkeypatch.setattr(ckptfx.frame, "PRECISE_STOP_SECONDS", float("inf"))
+    tails = [0]
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x)  # the last saved tensor: tanh's output
+        if tail_ms:
+            _time.sleep(tail_ms / 1e3)
+        y = h * 2  # the tail: ops that save nothing; an early stop ends the replay here
+        tails[0] += 1
+        return y + 1
+
+    x = _x(3, D)
+    g_plain = torch.autograd.grad(block(x).sum(), x)
+    tails[0] = 0
+    out = ckptfx.checkpoint(block, x)
+    g = torch.autograd.grad(out.sum(), x)
+    assert_bitwise(g, g_plain)
+    # forward reaches the tail once; the replay reaches it only without early stop
+    assert tails[0] == (1 if tail_ms else 2)
