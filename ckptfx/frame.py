@@ -364,8 +364,9 @@ class _Recorder:
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         frame = self.frame
         i = self.count
-        if self.probe is not None and _aliases_input_or_leaf(x, self.input_ids):
-            self.probe.append(i)
+        probe = self.probe
+        if probe is not None and _aliases_input_or_leaf(x, self.input_ids):
+            probe.append(i)
         if x.requires_grad:
             x = x.detach()  # before the count moves on: the precise stop sees this detach
         self.count = i + 1
@@ -384,8 +385,8 @@ class _Recorder:
             self.tensors[i] = x
         metas = frame.metas
         if metas is not None:
-            meta = (x.shape, x.dtype, x.device)
-            if metas[i] != meta:
+            shape, dtype, device = metas[i]
+            if x.dtype != dtype or x.shape != shape or x.device != device:
                 raise CheckpointError(
                     "ckptfx.checkpoint: the replay saved a tensor with different metadata than "
                     f"the original forward.\ntensor at position {i}:\n"
@@ -411,9 +412,12 @@ def _identity(x: Any) -> Any:
 
 
 def _aliases_input_or_leaf(x: torch.Tensor, input_ids: set[int]) -> bool:
-    base = x._base if x._base is not None else x
-    return id(base) in input_ids or id(x) in input_ids or (
-        base.requires_grad and base.grad_fn is None)
+    if id(x) in input_ids:
+        return True
+    base = x._base
+    if base is None:
+        return x.requires_grad and x.grad_fn is None
+    return id(base) in input_ids or (base.requires_grad and base.grad_fn is None)
 
 
 def rerun_function(frame: Frame, tensors: Replay) -> None:
