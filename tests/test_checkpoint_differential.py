@@ -458,14 +458,15 @@ def test_early_stop_exact_under_a_user_dispatch_mode(stop: str) -> None:
     assert_bitwise(grads(leaves), g_plain)
 
 
-@pytest.mark.parametrize("tail_ms", [0.0, 2.0])
+@pytest.mark.parametrize("tail_ms", [0.0, 60.0])
 def test_early_stop_only_when_the_tail_is_worth_it(tail_ms: float,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A replay skips the ops after the last saved tensor only when the forward spent at least
     EARLY_STOP_MIN_TAIL_SECONDS there; gradients are exact either way."""
     import time as _time
 
-    monkeypatch.setattr(ckptfx.frame, "EARLY_STOP_MIN_TAIL_SECONDS", 1e-3)
+    # far from both cases, so a loaded machine cannot flip the outcome
+    monkeypatch.setattr(ckptfx.frame, "EARLY_STOP_MIN_TAIL_SECONDS", 0.03)
     monkeypatch.setattr(ckptfx.frame, "PRECISE_STOP_SECONDS", float("inf"))
     tails = [0]
 
