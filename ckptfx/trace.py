@@ -297,11 +297,15 @@ def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} {list(t.shape)}"
 
 
-def _rng_states(device: torch.device | None) -> tuple[torch.Tensor, Any]:
+def _rng_states(device: Any) -> tuple[torch.Tensor, Any]:
+    """The generator states a seeded op on ``device`` draws from (CPU's always)."""
     dev_state = None
-    if device is not None and device.type not in ("cpu", "meta"):
+    if isinstance(device, str):  # a factory op's device= keyword
+        device = torch.device(device)
+    if isinstance(device, torch.device) and device.type not in ("cpu", "meta"):
         mod = torch.get_device_module(device.type)
-        dev_state = (mod, device.index, mod.get_rng_state(device.index))
+        index = device.index if device.index is not None else mod.current_device()
+        dev_state = (mod, index, mod.get_rng_state(index))
     return torch.get_rng_state(), dev_state
 
 
