@@ -354,6 +354,10 @@ _NAME_OP = checkpoint_name
 _SAC_CTX = SelectiveCheckpointContext(is_recompute=False)
 
 
+_NONE_WRITTEN: frozenset[int] = frozenset()
+_graph_task_id = _compat.current_graph_task_id
+
+
 class Tracer(_compat.TorchDispatchMode):
     """Records a remat forward into a ``Segment`` and packs its saved tensors (Rules 1-2)."""
 
@@ -416,8 +420,9 @@ class Tracer(_compat.TorchDispatchMode):
         seg = self.seg
         info = _op_info(func)
         leaves, spec = _flatten(args, kwargs)
-        written: set[int] = set()
+        written: set[int] | frozenset[int] = _NONE_WRITTEN
         if info.writes:
+            written = set()
             for i, name in info.writes:
                 v = args[i] if i < len(args) else kwargs.get(name)
                 if isinstance(v, torch.Tensor):
@@ -449,7 +454,7 @@ class Tracer(_compat.TorchDispatchMode):
                     device = a.device
         if kwargs.get("generator") is not None:
             seg.not_replayable(f"{func} uses an explicit generator")
-        if _compat.current_graph_task_id() != -1:
+        if _graph_task_id() != -1:
             seg.not_replayable("autograd ran inside the block")
         rng = None
         if info.seeded:
@@ -480,9 +485,9 @@ class Tracer(_compat.TorchDispatchMode):
         for j, o in enumerate(out_leaves):
             if not isinstance(o, torch.Tensor):
                 continue
-            slot = o.__dict__.get(self.attr)
-            if slot is None and id(o) in self.ids:
-                slot = self.ids[id(o)]
+            slot = o.__dict__.get(attr)
+            if slot is None:
+                slot = ids.get(id(o))
             if slot is None:
                 base = None
                 root = -1
@@ -492,7 +497,7 @@ class Tracer(_compat.TorchDispatchMode):
                     root = self.root[src]
                 slot = self._new_slot(index, base)
                 self.root[slot] = root
-                o.__dict__[self.attr] = slot
+                o.__dict__[attr] = slot
                 if info.empty:
                     self.uninit.add(slot)
                 if info.view and inputs and self.decision[inputs[0][1]] is not False:
