@@ -28,9 +28,9 @@ collectors and prefire do not see them, and calling one inside ``recompute_sessi
 Known limits: reverse-over-reverse where the cotangent itself depends on the differentiated
 inputs agrees with the plain function to ~1e-6, not bitwise (the replay's second-order terms
 are summed in another order; hessian, jacrev of jacrev and grad of grad with a constant
-cotangent are bitwise). jacrev/jacfwd of a block with random ops raises functorch's randomness
-error, because the replay runs inside the vmapped backward; use ``vmap(vjp)`` with
-``randomness="same"`` or ``"different"`` there.
+cotangent are bitwise). jacrev/jacfwd of a block with random ops raises a ``CheckpointError``
+(the replay would draw random numbers inside a vmap in randomness="error" mode); use
+``vmap(vjp)`` with ``randomness="same"`` or ``"different"`` there.
 """
 
 from __future__ import annotations
@@ -386,11 +386,23 @@ class RematFunction(torch.autograd.Function):
             return total
 
         primals = [tensors[i] for i in wanted]
-        if any(g is not None and g.is_complex() for g in grads):
-            outs, vjp_fn = torch.func.vjp(replay, *primals)  # complex: keep the vjp convention
-            gs = vjp_fn(tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)))
-        else:
-            gs = torch.func.grad(dot, argnums=tuple(range(len(primals))))(*primals)
+        try:
+            if any(g is not None and g.is_complex() for g in grads):
+                outs, vjp_fn = torch.func.vjp(replay, *primals)  # complex: the vjp convention
+                gs = vjp_fn(tuple(torch.zeros_like(o) if g is None else g
+                                  for o, g in zip(outs, grads)))
+            else:
+                gs = torch.func.grad(dot, argnums=tuple(range(len(primals))))(*primals)
+        except RuntimeError as err:
+            if "randomness" not in str(err):
+                raise
+            raise CheckpointError(
+                "ckptfx.remat: this backward runs under vmap (jacrev, jacfwd, or a vmap over "
+                "the backward) in randomness='error' mode, and replaying the block draws random "
+                "numbers (dropout, rand_like, ...). Use torch.func.vmap(..., randomness='same' "
+                "or 'different') around vjp instead of jacrev, or take the random op out of "
+                "the remat'd block."
+            ) from err
         for i, g in zip(wanted, gs):
             result[1 + i] = g
         return tuple(result)

@@ -463,3 +463,13 @@ def test_block_and_kept_tensors_freed_after_grad(blocks: list) -> None:
     del out, vjp_fn
     gc.collect()
     assert ref() is None
+
+
+def test_jacrev_of_a_block_with_random_ops_raises_a_clear_error() -> None:
+    """jacrev vmaps the backward in randomness='error' mode; the replay's dropout cannot run
+    there, and the error says what to do instead (plain jacrev of the same function works)."""
+    w = torch.randn(4, 4) / 2
+    x = torch.randn(3, 4)
+    block = ckptfx.remat(lambda x, w: torch.nn.functional.dropout(torch.tanh(x @ w), 0.5, True) @ w)
+    with pytest.raises(ckptfx.CheckpointError, match="randomness"):
+        torch.func.jacrev(lambda x: block(x, w).square().sum())(x)
