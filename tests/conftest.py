@@ -115,3 +115,18 @@ def _early_stop_always(monkeypatch: pytest.MonkeyPatch) -> None:
     import ckptfx.frame
 
     monkeypatch.setattr(ckptfx.frame, "EARLY_STOP_MIN_TAIL_SECONDS", 0.0)
+
+
+@pytest.fixture
+def no_sessions_left() -> Iterator[None]:
+    """The test starts and ends with no live recompute session (sessions are weak: collect
+    first, so only sessions whose frames are still alive are listed)."""
+    import gc
+
+    gc.collect()
+    for sid in list(ckptfx.recompute_session_stats()):
+        ckptfx.clear_recompute_session(sid)
+    yield
+    gc.collect()
+    for sid in list(ckptfx.recompute_session_stats()):
+        ckptfx.clear_recompute_session(sid)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 
 import ckptfx
+
+pytestmark = pytest.mark.usefixtures("no_sessions_left")
 from ckptfx import CheckpointError
 
 D, H, B = 8, 16, 4
@@ -133,19 +135,6 @@ def split_step(blocks: list[Block], x: torch.Tensor, gout: torch.Tensor, sid: An
     finally:
         ckptfx.clear_recompute_session(sid)
     return [dx, *dw]
-
-
-@pytest.fixture(autouse=True)
-def no_sessions_left() -> Iterator[None]:
-    """Each test starts and ends with no live session (sessions are weak: collect first)."""
-    gc.collect()
-    for sid in list(ckptfx.recompute_session_stats()):
-        ckptfx.clear_recompute_session(sid)
-    yield
-    gc.collect()
-    left = list(ckptfx.recompute_session_stats())
-    for sid in left:
-        ckptfx.clear_recompute_session(sid)
 
 
 # -- one replay -----------------------------------------------------------------------------

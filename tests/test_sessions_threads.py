@@ -7,9 +7,8 @@ and the session must still be found: two block runs, gradients bitwise equal to 
 
 from __future__ import annotations
 
-import gc
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptfx
+
+pytestmark = pytest.mark.usefixtures("no_sessions_left")
 
 D, H, B = 8, 16, 4
 AUTOCAST = [None, torch.bfloat16]
@@ -107,17 +108,6 @@ def assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"gradient {i} differs"
-
-
-@pytest.fixture(autouse=True)
-def no_sessions_left() -> Iterator[None]:
-    gc.collect()
-    for sid in list(ckptfx.recompute_session_stats()):
-        ckptfx.clear_recompute_session(sid)
-    yield
-    gc.collect()
-    for sid in list(ckptfx.recompute_session_stats()):
-        ckptfx.clear_recompute_session(sid)
 
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
