@@ -162,45 +162,93 @@ def _split_static(options: RematOptions, args: tuple[Any, ...], kwargs: dict[str
     return args, kwargs, static_pos, static_kw
 
 
+class _FlatCall:
+    """One call's arguments as a flat list of tensors, and the block as a function of them.
+
+    A call with only tensor positional arguments and no static ones (``block(x)``, the common
+    case) is already flat: the block is called as is and no pytree is built unless a
+    torch.func path asks for one (``pytree``).
+    """
+
+    __slots__ = ("fun", "tensors", "fn", "_pytree")
+
+    def __init__(self, fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self.fun = fun
+        if (not kwargs and not options.static_argnums and not options.static_argnames
+                and all(isinstance(a, torch.Tensor) for a in args)):
+            self.tensors = list(args)
+            self.fn = fun
+            self._pytree: tuple[Any, ...] | None = None
+            return
+        dyn_args, dyn_kwargs, static_pos, static_kw = _split_static(options, args, kwargs)
+        leaves, spec = optree.tree_flatten((dyn_args, dyn_kwargs), none_is_leaf=True)
+        positions = [j for j, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.tensors = [leaves[j] for j in positions]
+        for j in positions:
+            leaves[j] = None  # the frame owns the tensors (saved inputs); the closure must not
+
+        def restore(a: tuple[Any, ...], k: dict[str, Any]
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if static_pos:
+                a = tuple(static_pos.get(i, v) for i, v in enumerate(a))
+            if static_kw:
+                k = {**k, **static_kw}
+            return a, k
+
+        def flat_fun(*ts: torch.Tensor) -> Any:
+            filled = list(leaves)
+            for j, t in zip(positions, ts):
+                filled[j] = t
+            a, k = restore(*optree.tree_unflatten(spec, filled))
+            return fun(*a, **k)
+
+        flat_fun.__qualname__ = getattr(fun, "__qualname__", "remat")
+        self.fn = flat_fun
+        self._pytree = (leaves, spec, positions, restore, dyn_args, dyn_kwargs)
+
+    def pytree(self) -> tuple[Any, ...]:
+        """(leaves without tensors, spec, tensor positions, restore, dynamic args, kwargs)."""
+        if self._pytree is None:
+            n = len(self.tensors)
+            _, spec = optree.tree_flatten((tuple(self.tensors), {}), none_is_leaf=True)
+            self._pytree = ([None] * n, spec, list(range(n)), _no_statics,
+                            tuple(self.tensors), {})
+        return self._pytree
+
+    def function_path(self, policy: Any) -> Any:
+        leaves, spec, positions, restore, _, _ = self.pytree()
+        return call_function_path(self.fun, policy, leaves, spec, positions, self.tensors,
+                                  restore)
+
+
+def _no_statics(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return a, k
+
+
 def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
          kwargs: dict[str, Any]) -> Any:
     """One remat call: flatten, trace under a new frame, return the outputs."""
-    dyn_args, dyn_kwargs, static_pos, static_kw = _split_static(options, args, kwargs)
     if not torch.is_grad_enabled():
+        if options.static_argnums or options.static_argnames:
+            _split_static(options, args, kwargs)  # bad static arguments raise all the same
         return fun(*args, **kwargs)
+    flat = _FlatCall(fun, options, args, kwargs)
     refuse_new_frame_in_scheduled_replay("a remat'd block")
-    leaves, spec = optree.tree_flatten((dyn_args, dyn_kwargs), none_is_leaf=True)
-    positions = [j for j, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    tensors = [leaves[j] for j in positions]
-    for j in positions:
-        leaves[j] = None  # the frame owns the tensors (saved inputs); the closure must not
-
-    def restore(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if static_pos:
-            a = tuple(static_pos.get(i, v) for i, v in enumerate(a))
-        if static_kw:
-            k = {**k, **static_kw}
-        return a, k
-
     if _compat.functorch_level() > 0:
-        return call_function_path(fun, options.policy, leaves, spec, positions, tensors, restore)
-
-    def flat_fun(*ts: torch.Tensor) -> Any:
-        filled = list(leaves)
-        for j, t in zip(positions, ts):
-            filled[j] = t
-        a, k = restore(*optree.tree_unflatten(spec, filled))
-        return fun(*a, **k)
-
-    flat_fun.__qualname__ = getattr(fun, "__qualname__", "remat")
-    frame = Frame(flat_fun, tuple(tensors), {}, early_stop=options.early_stop)
-    names = argument_names(fun, dyn_args, dyn_kwargs) if reporting() else None
+        return flat.function_path(options.policy)
+    tensors = flat.tensors
+    frame = Frame(flat.fn, tuple(tensors), {}, early_stop=options.early_stop)
+    names = None
+    if reporting():
+        _, _, _, _, dyn_args, dyn_kwargs = flat.pytree()
+        names = argument_names(fun, dyn_args, dyn_kwargs)
     tracer = Tracer(frame, tensors, options.policy, names)
     _compat.push_saved_tensors_hooks(tracer.pack, residual_unpack_hook)
     start = time.perf_counter()
     try:
         with tracer:
-            out = flat_fun(*tensors)
+            out = flat.fn(*tensors)
     except RuntimeError as err:
         _compat.pop_saved_tensors_hooks()  # on every error path: leave no hooks behind
         if not _compat.is_saved_tensors_hooks_refusal(err):
@@ -209,7 +257,7 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         # as one autograd.Function instead (same RNG start, so the same values).
         if frame.env.cpu_rng is not None:
             torch.set_rng_state(frame.env.cpu_rng)
-        return call_function_path(fun, options.policy, leaves, spec, positions, tensors, restore)
+        return flat.function_path(options.policy)
     except BaseException:
         _compat.pop_saved_tensors_hooks()
         raise

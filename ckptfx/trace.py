@@ -47,7 +47,7 @@ from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from . import _compat
 from ._debug import user_call_site
-from ._ops import op_info as _op_info
+from ._ops import _OP_INFO, op_info as _op_info
 from .frame import CheckpointError, Frame, Holder, Replay, rerun_function
 from .policies import Offload, call_policy, checkpoint_name
 
@@ -418,7 +418,7 @@ class Tracer(_compat.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         seg = self.seg
-        info = _op_info(func)
+        info = _OP_INFO.get(func) or _op_info(func)
         leaves, spec = _flatten(args, kwargs)
         written: set[int] | frozenset[int] = _NONE_WRITTEN
         if info.writes:
@@ -452,12 +452,12 @@ class Tracer(_compat.TorchDispatchMode):
                 leaves[j] = None
                 if device is None and info.seeded:
                     device = a.device
-        if kwargs.get("generator") is not None:
-            seg.not_replayable(f"{func} uses an explicit generator")
         if _graph_task_id() != -1:
             seg.not_replayable("autograd ran inside the block")
         rng = None
-        if info.seeded:
+        if info.seeded:  # only random ops take a generator
+            if kwargs.get("generator") is not None:
+                seg.not_replayable(f"{func} uses an explicit generator")
             rng = _rng_states(device or kwargs.get("device"))
         out = func(*args, **kwargs)
         index = len(seg.ops)
@@ -480,6 +480,7 @@ class Tracer(_compat.TorchDispatchMode):
                         seg.not_replayable(f"{func} writes in place to a value autograd saved")
 
         decision = None
+        decisions, roots = self.decision, self.root
         out_leaves = (out,) if type(out) is torch.Tensor else optree.tree_leaves(
             out, none_is_leaf=True)
         for j, o in enumerate(out_leaves):
@@ -488,27 +489,30 @@ class Tracer(_compat.TorchDispatchMode):
             slot = o.__dict__.get(attr)
             if slot is None:
                 slot = ids.get(id(o))
-            if slot is None:
-                base = None
+            if slot is None:  # a new value: ``_new_slot`` inlined (every op output comes here)
+                slot = len(base_of)
+                base = slot
                 root = -1
                 if info.alias and inputs:  # shares the input's storage: and its versions
                     src = inputs[0][1]
-                    base = seg.base[src]
-                    root = self.root[src]
-                slot = self._new_slot(index, base)
-                self.root[slot] = root
+                    base = base_of[src]
+                    root = roots[src]
+                seg.producer.append(index)
+                base_of.append(base)
+                decisions.append(False)
+                roots.append(root)
                 o.__dict__[attr] = slot
                 if info.empty:
-                    self.uninit.add(slot)
-                if info.view and inputs and self.decision[inputs[0][1]] is not False:
-                    self.decision[slot] = self.decision[inputs[0][1]]
+                    uninit.add(slot)
+                if info.view and inputs and decisions[inputs[0][1]] is not False:
+                    decisions[slot] = decisions[inputs[0][1]]
                     op.outs.append((j, slot))
                     continue
             op.outs.append((j, slot))
             if self.policy is not None:
                 if decision is None:
                     decision = call_policy(self.policy, _SAC_CTX, func, args, kwargs)
-                self.decision[slot] = decision
+                decisions[slot] = decision
                 if decision is not False:
                     self._hold(slot, o, decision, id(o) in written)
         return out
@@ -554,7 +558,9 @@ class Tracer(_compat.TorchDispatchMode):
             index = self._slot(x)
             self._note("argument", x, index, 0)
             return _Kept(x)
-        version = self.seg.version(slot)
+        seg = self.seg
+        w = seg.writers.get(seg.base[slot])
+        version = len(w) if w else 0  # seg.version(slot), inlined: every pack comes here
         root = self.root[slot]
         if root >= 0:
             if root in self._input_index:
@@ -566,11 +572,11 @@ class Tracer(_compat.TorchDispatchMode):
         if decision is False:
             holder = Holder(frame, pos)
             frame.holders.append(weakref.ref(holder))
-            self.seg.targets[pos] = (slot, version)
-            self.packed_bases.add(self.seg.base[slot])
+            seg.targets[pos] = (slot, version)
+            self.packed_bases.add(seg.base[slot])
             return holder
         frame.holders.append(_DEAD)
-        self.packed_bases.add(self.seg.base[slot])
+        self.packed_bases.add(seg.base[slot])
         # A detached alias: an op that saves its own output (relu, exp, softmax) would
         # otherwise hold its node through the packed tensor, a cycle gc cannot see through
         # the C++ graph, leaking every graph that is dropped without a backward.

@@ -498,6 +498,37 @@ def test_static_argnums_out_of_range_is_a_value_error() -> None:
         block(torch.randn(2, requires_grad=True))
 
 
+def test_bad_static_argnums_raise_under_no_grad_too() -> None:
+    block = ckptfx.remat(lambda *a: a[0] * 2, static_argnums=3)
+    with torch.no_grad(), pytest.raises(ValueError, match="static_argnums 3"):
+        block(torch.randn(2))
+
+
+@pytest.mark.parametrize("transform", ["autograd", "torch.func.grad"])
+def test_flat_tensor_call_and_pytree_call_agree(transform: str) -> None:
+    """``block(x, w)`` (tensors only: the flat path, no pytree built) and the same block fed
+    through a dict (the pytree path) compute the same values and gradients, bitwise."""
+    def flat(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(x @ w), 0.3).sum()
+
+    flat_block = ckptfx.remat(flat, policy=cp.dots_saveable)
+    tree_block = ckptfx.remat(lambda p: flat(p["x"], p["w"]), policy=cp.dots_saveable)
+    x, w = torch.randn(4, 5), torch.randn(5, 3)
+    results = []
+    for fn in (flat, flat_block, lambda x, w: tree_block({"x": x, "w": w})):
+        torch.manual_seed(3)
+        if transform == "autograd":
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = fn(xs, ws)
+            out.backward()
+            results.append([out.detach(), xs.grad, ws.grad])
+        else:
+            g, out = torch.func.grad_and_value(fn, argnums=(0, 1))(x, w)
+            results.append([out, *g])
+    assert_bitwise(results[1], results[0])
+    assert_bitwise(results[2], results[0])
+
+
 def test_static_argnums_pointing_at_a_tensor_is_a_value_error() -> None:
     block = ckptfx.remat(lambda x, y: x * y, static_argnums=1)
     x = torch.randn(2, requires_grad=True)
