@@ -9,6 +9,11 @@ the same run, alternated, medians reported as ratios to no checkpointing:
 - ``torch``   torch.utils.checkpoint(use_reentrant=False): one replay per backward call
 - ``ckptfx``  ckptfx.checkpoint with a recompute session: collector, prefire, dx under
               retain_on_unpack=True, dw under retain=True (last group: False), clear
+- ``ckptfx-lazy``  the same without the collector and prefire (dx replays)
+- ``vjp_split``    ckptfx.checkpoint blocks under ckptfx.vjp_split: prefire, dx_fn, then its
+              own weight pass dw_fn (weight-gradient ops only, all parameters at once)
+- ``fused``   no checkpointing, one ``autograd.grad`` for x and every parameter: the floor
+              any split backward is measured against (not a split step)
 
 Block runs are counted by a counter inside the block and reported per block per step.
 It also times the forward overhead of one checkpoint call (ckptfx vs torch) on a tiny block.
@@ -102,11 +107,31 @@ def make_step(variant: str, blocks: list[MLPBlock], x: torch.Tensor,
         finally:
             ckptfx.clear_recompute_session("mb")
 
+    def stack(h: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            h = ckptfx.checkpoint(b, h)
+        return h
+
+    def step_vjp_split() -> None:
+        _, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params, session="mb")
+        dx_fn.prefire()
+        dx_fn(g)
+        dw_fn()
+        for p in params:  # dw_fn accumulates into .grad; start each step from None
+            p.grad = None
+
+    def step_fused() -> None:
+        h = x
+        for b in blocks:
+            h = b(h)
+        torch.autograd.grad(h, [x, *params], g)
+
     return {"none": step_none, "torch": step_torch, "ckptfx": step_ckptfx,
-            "ckptfx-lazy": step_ckptfx_lazy}[variant]
+            "ckptfx-lazy": step_ckptfx_lazy, "vjp_split": step_vjp_split,
+            "fused": step_fused}[variant]
 
 
-VARIANTS = ("none", "torch", "ckptfx", "ckptfx-lazy")
+VARIANTS = ("none", "torch", "ckptfx", "ckptfx-lazy", "vjp_split", "fused")
 
 
 def bench_split(d: int, hidden: int, batch: int, nblocks: int, rounds: int,
@@ -178,12 +203,15 @@ def _tiny(t: torch.Tensor) -> torch.Tensor:
 
 
 def bench_forward_overhead(rounds: int, inner: int) -> dict[str, float]:
-    """Median microseconds per forward call: plain, torch checkpoint, ckptfx checkpoint."""
+    """Median microseconds per forward call: plain, torch checkpoint, ckptfx checkpoint,
+    ckptfx remat (which also records the block's ops: one op here)."""
     x = torch.randn(4, requires_grad=True)
+    remat_tiny = ckptfx.remat(_tiny)
     calls: dict[str, Callable[[], object]] = {
         "plain": lambda: _tiny(x),
         "torch": lambda: tcp.checkpoint(_tiny, x, use_reentrant=False),
         "ckptfx": lambda: ckptfx.checkpoint(_tiny, x),
+        "remat": lambda: remat_tiny(x),
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
     for fn in calls.values():
@@ -243,8 +271,9 @@ def main() -> None:
     for k, us in ov.items():
         extra = "" if k == "plain" else f"   overhead {us - ov['plain']:6.1f} us"
         print(f"  {k:8s} {us:7.1f} us/call{extra}")
-    print(f"  ckptfx overhead / torch overhead: "
-          f"{(ov['ckptfx'] - ov['plain']) / (ov['torch'] - ov['plain']):.2f}")
+    for k in ("ckptfx", "remat"):
+        print(f"  {k} overhead / torch overhead: "
+              f"{(ov[k] - ov['plain']) / (ov['torch'] - ov['plain']):.2f}")
 
 
 if __name__ == "__main__":

@@ -534,6 +534,31 @@ def test_grad_split_sessions_interleaved_on_threads() -> None:
     assert not ckptfx.recompute_session_stats()
 
 
+def test_grad_split_keeps_only_what_dw_reads_between_dx_and_dw(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """grad_split trims the session after dx as vjp_split does: fewer tensors and bytes held
+    than with every replayed tensor retained, the same gradients, nothing held after dw."""
+    import ckptfx.split as cx_split
+
+    stack = make_stack()
+    params = dict(stack.named_parameters())
+    x = torch.randn(2, 5, D)
+    dx_fn, dw_fn = ckptfx.grad_split(_loss_fn(stack), x_argnums=1, has_aux=True)
+    held, grads = {}, {}
+    for trim in (False, True):
+        monkeypatch.setattr(cx_split, "_trim_enabled", trim)
+        torch.manual_seed(10)
+        (_, _), dx = dx_fn(params, x, session=("trim", trim), scale=2.0)
+        stats = ckptfx.recompute_session_stats()[("trim", trim)]
+        held[trim] = (stats.tensors, stats.nbytes)
+        grads[trim] = [dx, *dw_fn(("trim", trim)).values()]
+        assert ("trim", trim) not in ckptfx.recompute_session_stats()
+    assert held[True][0] < held[False][0] and held[True][1] < held[False][1], held
+    ref = _reference_loss(stack, x, 10)
+    assert_bitwise(grads[True], ref)
+    assert_bitwise(grads[False], ref)
+
+
 def test_grad_split_errors() -> None:
     stack = make_stack(n=1)
     params = dict(stack.named_parameters())
