@@ -23,8 +23,10 @@ Rules
 3. In-place writes are versioned per base storage (a view shares its base's). An op reads a
    value at a version; a pack keeps a value at a version. The replay of a recomputed value
    runs only the ops it transitively needs, reading kept values where a kept (slot, version)
-   is still alive instead of recomputing it. Seeded random ops replay with the generator
-   state recorded right before them, so skipping ops never shifts a dropout mask.
+   is still alive instead of recomputing it, and lets go of each value after the last op
+   that reads it (the forward's memory profile, not every intermediate at once). Seeded
+   random ops replay with the generator state recorded right before them, so skipping ops
+   never shifts a dropout mask.
 
 4. The segment is replayed only if it is shown replayable; otherwise the frame re-runs the
    Python function (the kernel's default strategy). Not replayable: a buffer from
@@ -231,8 +233,9 @@ class Segment:
                     "values. Run the backward before updating it, or pass it as an argument."
                 )
             vals[slot] = t
+        release = self._release_after(plan, {sv[0] for _, sv in targets})
         with _ReplayGuard(frame.env.device_type):
-            for i in plan:
+            for k, i in enumerate(plan):
                 op = self.ops[i]
                 leaves = list(op.leaves)
                 for j, slot, version in op.inputs:
@@ -247,9 +250,28 @@ class Segment:
                         out, none_is_leaf=True)
                     for j, slot in op.outs:
                         vals[slot] = out_leaves[j]
+                for slot in release[k]:
+                    vals[slot] = None
         for pos, sv in targets:
             kept = available.get(sv)
             tensors[pos] = vals[sv[0]] if kept is None else kept.get()
+
+    def _release_after(self, plan: list[int], targets: set[int]) -> list[list[int]]:
+        """Per step of ``plan``, the slots no later step reads or writes and no target is:
+        the replay lets go of them there, so its intermediates are freed as the forward
+        freed them instead of all living until the replay ends."""
+        last: dict[int, int] = {}
+        for k, i in enumerate(plan):
+            op = self.ops[i]
+            for _, slot, _ in op.inputs:
+                last[slot] = k
+            for _, slot in op.outs:
+                last[slot] = k
+        release: list[list[int]] = [[] for _ in plan]
+        for slot, k in last.items():
+            if slot not in targets:
+                release[k].append(slot)
+        return release
 
     def _plan(self, wanted: list[tuple[int, int]], available: dict) -> list[int]:
         """The ops to run, in recorded order, to rebuild ``wanted`` (Rule 3)."""
