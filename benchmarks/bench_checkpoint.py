@@ -26,15 +26,13 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import time
 from typing import Callable
 
-MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+from _memory import MMAP_ENV, peak_above_start, reexec_with_small_mmap_threshold
 
-if __name__ == "__main__" and os.environ.get(MMAP_ENV) != "65536":
-    os.environ[MMAP_ENV] = "65536"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+if __name__ == "__main__":
+    reexec_with_small_mmap_threshold()
 
 import torch  # noqa: E402  (after the re-exec: the allocator reads the variable at start)
 import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
@@ -93,23 +91,11 @@ def time_steps(stack, x, repeats: int, device: str) -> dict[str, list[float]]:
     return times
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def peak_bytes(stack, x, variant: str, device: str) -> int:
     """Memory the step needs above what was allocated before it (peak minus baseline)."""
     gc.collect()
     if device == "cpu":
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        base = _status_kib("VmHWM")
-        step(stack, x, variant)
-        return (_status_kib("VmHWM") - base) * 1024
+        return peak_above_start(lambda: step(stack, x, variant))
     mod = torch.get_device_module(device)
     sync(device)
     mod.reset_peak_memory_stats()

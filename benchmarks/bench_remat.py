@@ -7,14 +7,21 @@ SAC saving mm/addmm/bmm/baddbmm), in one run, alternating the variants, medians 
   replay alone = one whole replay timed by itself (a saved tensor read outside backward);
   bwd - plain bwd = backward time minus the no-checkpoint backward time (noisier: includes
                  allocator effects of the rebuilt tensors);
-  fwd    = forward time; ops = ATen ops the replay ran (ckptfx: Segment.last_plan).
+  fwd    = forward time; ops = ATen ops the replay ran (ckptfx: Segment.last_plan);
+  replay peak = resident memory one whole replay needs above what was resident before it
+                 (measured in a child process started with MALLOC_MMAP_THRESHOLD_=65536,
+                 see _memory.py; the timings run without it).
 Targets: replay <= 0.8x torch's, forward <= 1.1x torch's checkpoint forward.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any, Callable
 
@@ -26,6 +33,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
+from _memory import MMAP_ENV, MMAP_VALUE, peak_above_start, small_mmap_threshold
 
 aten = torch.ops.aten
 DOTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
@@ -116,6 +124,22 @@ def direct_replay(fns: dict[str, Callable], x: torch.Tensor, repeats: int) -> di
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def replay_peaks(fns: dict[str, Callable], x: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Median resident bytes one whole replay (as in ``direct_replay``) needs above the start."""
+    assert small_mmap_threshold(), f"run with {MMAP_ENV}={MMAP_VALUE}"
+    peaks: dict[str, list[int]] = {k: [] for k in fns if k != "plain"}
+    for r in range(repeats + 1):
+        for name in peaks:
+            out = fns[name](x)
+            node = _node(out, "SoftmaxBackward0")
+            gc.collect()
+            peak = peak_above_start(lambda n=node: n._saved_result)
+            if r:
+                peaks[name].append(peak)
+            del out, node
+    return {k: statistics.median(v) for k, v in peaks.items()}
+
+
 class _DotBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """Bytes of every dot output in a forward: what torch's SAC with ``sac_dots`` caches."""
 
@@ -178,17 +202,40 @@ def measure(b: int, t: int, d: int, repeats: int) -> None:
               f"  ratio {med[cn][0] / med[tn][0]:5.2f}x  (target <= 1.1)")
 
 
+def print_replay_peaks(b: int, t: int, d: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    block = Block(d)
+    x = torch.randn(b, t, d, requires_grad=True)
+    peaks = replay_peaks(variants(block), x, repeats)
+    mib = 1 / 2**20
+    for pol in ("nothing", "dots"):
+        tp, cp_ = peaks[f"torch:{pol}"], peaks[f"ckptfx:{pol}"]
+        if max(tp, cp_) < 2**20:  # tensors this small stay in the heap: RSS cannot see them
+            print(f"{pol:8s} replay peak:  below what the resident size resolves at this size")
+            continue
+        print(f"{pol:8s} replay peak:  torch {tp * mib:7.2f} MiB  ckptfx {cp_ * mib:7.2f} MiB  "
+              f"ratio {cp_ / tp:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small size, few repeats")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--replay-peak-of", type=int, nargs=3, metavar=("B", "T", "D"),
+                        help=argparse.SUPPRESS)  # the child process of the memory part
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = [(2, 32, 64)] if args.quick else [(2, 32, 64), (8, 128, 256)]
     repeats = args.repeats or (5 if args.quick else 15)
+    if args.replay_peak_of:
+        print_replay_peaks(*args.replay_peak_of, repeats=min(repeats, 5))
+        return
     print(f"torch {torch.__version__}, 1 thread")
     for b, t, d in sizes:
         measure(b, t, d, repeats)
+        sys.stdout.flush()
+        subprocess.run([sys.executable, __file__, "--replay-peak-of", str(b), str(t), str(d)],
+                       env={**os.environ, MMAP_ENV: MMAP_VALUE}, check=True)
 
 
 if __name__ == "__main__":

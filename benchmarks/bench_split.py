@@ -22,9 +22,7 @@ run. Peak memory needs MALLOC_MMAP_THRESHOLD_=65536 (the script re-execs itself 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import Callable
@@ -36,6 +34,7 @@ import torch.utils.checkpoint as tcp
 
 import ckptfx
 import ckptfx.split as cx_split
+from _memory import peak_above_start, reexec_with_small_mmap_threshold
 
 
 class Block(nn.Module):
@@ -186,19 +185,6 @@ def bench_pipeline(d: int, n: int, batch: int, seq: int, mbs: int, rounds: int) 
 # -- (c) ------------------------------------------------------------------------------------
 
 
-def vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def bench_memory(d: int, n: int, batch: int, seq: int, rounds: int) -> None:
     torch.manual_seed(0)
     stack = Stack(d, n, "ckptfx")
@@ -236,12 +222,7 @@ def bench_memory(d: int, n: int, batch: int, seq: int, rounds: int) -> None:
             cx_split._trim_enabled = trim
             for p in params:
                 p.grad = None
-            base_before = vm_hwm()
-            reset_hwm()
-            base = vm_hwm()
-            ffbbww()
-            peaks[trim].append(vm_hwm() - base)
-            del base_before
+            peaks[trim].append(peak_above_start(ffbbww))
     cx_split._trim_enabled = True
     pt, pa = statistics.median(peaks[True]), statistics.median(peaks[False])
     print(f"    F F B B W W peak RSS above start: trimmed {pt * mib:.1f} MiB, all retained "
@@ -253,9 +234,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small shapes, few rounds")
     ap.add_argument("--only", choices=["a", "b", "c"], help="run one part")
     args = ap.parse_args()
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+    reexec_with_small_mmap_threshold()
     torch.set_num_threads(1)
     if args.quick:
         d, n, batch, seq, rounds, mbs = 64, 2, 2, 32, 5, 4
