@@ -17,7 +17,11 @@ Rules
 
 2b. As in JAX, a value the policy lets keep is kept when the backward *or the replay* reads
    it: such values are held during the forward and, at its end, those on the replay's
-   frontier are kept, the rest released. Block inputs (and views of them) are filled by the
+   frontier are kept, the rest released. A value kept only for the replay is single-use,
+   like an entry of torch's selective-checkpoint cache: the first replay lets go of it after
+   its last read, so the backward never holds it beside what the replay rebuilt from it; a
+   later replay of the block (a second backward with ``retain_graph``, another session)
+   recomputes it instead of failing. Block inputs (and views of them) are filled by the
    replay from the frame's saved inputs, so a parent checkpoint hands them out once.
 
 3. In-place writes are versioned per base storage (a view shares its base's). An op reads a
@@ -221,6 +225,9 @@ class Segment:
                 available[sv] = kept
         plan = self._plan([sv for _, sv in targets], available)
         self.last_plan = len(plan)
+        # Values kept only because the replay reads them are single-use (Rule 2b): this
+        # replay takes them over and lets go of each after its last read.
+        self.extra.clear()
         vals: list[Any] = [None] * len(self.producer)
         for slot, t in zip(self.input_slots, frame.saved_inputs()):
             vals[slot] = t
@@ -233,7 +240,7 @@ class Segment:
                     "values. Run the backward before updating it, or pass it as an argument."
                 )
             vals[slot] = t
-        release = self._release_after(plan, {sv[0] for _, sv in targets})
+        release = self._release_after(plan, targets, available)
         with _ReplayGuard(frame.env.device_type):
             for k, i in enumerate(plan):
                 op = self.ops[i]
@@ -250,27 +257,41 @@ class Segment:
                         out, none_is_leaf=True)
                     for j, slot in op.outs:
                         vals[slot] = out_leaves[j]
-                for slot in release[k]:
+                slots, svs = release[k]
+                for slot in slots:
                     vals[slot] = None
+                for sv in svs:
+                    del available[sv]
         for pos, sv in targets:
             kept = available.get(sv)
             tensors[pos] = vals[sv[0]] if kept is None else kept.get()
 
-    def _release_after(self, plan: list[int], targets: set[int]) -> list[list[int]]:
-        """Per step of ``plan``, the slots no later step reads or writes and no target is:
-        the replay lets go of them there, so its intermediates are freed as the forward
-        freed them instead of all living until the replay ends."""
+    def _release_after(self, plan: list[int], targets: list[tuple[int, tuple[int, int]]],
+                       available: dict[tuple[int, int], Any]
+                       ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Per step of ``plan``: the slots and the kept values (by (slot, version)) that no
+        later step reads or writes and no target is. The replay lets go of them there, so
+        its intermediates are freed as the forward freed them instead of all living until
+        the replay ends."""
         last: dict[int, int] = {}
+        last_kept: dict[tuple[int, int], int] = {}
         for k, i in enumerate(plan):
             op = self.ops[i]
-            for _, slot, _ in op.inputs:
+            for _, slot, version in op.inputs:
                 last[slot] = k
+                if (slot, version) in available:
+                    last_kept[(slot, version)] = k
             for _, slot in op.outs:
                 last[slot] = k
-        release: list[list[int]] = [[] for _ in plan]
+        release: list[tuple[list[int], list[tuple[int, int]]]] = [([], []) for _ in plan]
+        wanted = {sv for _, sv in targets}
+        wanted_slots = {slot for slot, _ in wanted}
         for slot, k in last.items():
-            if slot not in targets:
-                release[k].append(slot)
+            if slot not in wanted_slots:
+                release[k][0].append(slot)
+        for sv, k in last_kept.items():
+            if sv not in wanted:
+                release[k][1].append(sv)
         return release
 
     def _plan(self, wanted: list[tuple[int, int]], available: dict) -> list[int]:

@@ -371,6 +371,39 @@ def test_frame_and_segment_are_freed_with_the_graph() -> None:
     assert seg_ref() is None and kept() is None
 
 
+def _dropout_relu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return torch.relu(F.dropout(x @ w1, 0.5) @ w2) @ w1.T
+
+
+@pytest.mark.parametrize("block", [_relu_mlp, _dropout_relu_mlp])
+def test_values_kept_only_for_the_replay_are_single_use(block: Any) -> None:
+    """A matmul output kept only because the replay reads it (relu saves its own output,
+    dropout its mask) is let go by the first replay; a second backward (retain_graph)
+    recomputes it, with the same dropout mask: bitwise the plain gradients both times."""
+    x = torch.randn(4, 6, requires_grad=True)
+    w1 = torch.randn(6, 8, requires_grad=True)
+    w2 = torch.randn(8, 8, requires_grad=True)
+    torch.manual_seed(5)
+    out = block(x, w1, w2)
+    expected = torch.autograd.grad(out.sum(), [x, w1, w2])
+    torch.manual_seed(5)
+    out, seg = segment_of(ckptfx.remat(block, policy=cp.dots_saveable), x, w1, w2)
+    assert seg.extra
+    kept = [weakref.ref(k.tensor) for k in seg.extra]
+    loss = out.sum()
+    with OpCounter() as first:
+        g1 = torch.autograd.grad(loss, [x, w1, w2], retain_graph=True)
+    plan_first = seg.last_plan
+    gc.collect()
+    assert not seg.extra and all(r() is None for r in kept)  # freed, the graph still alive
+    with OpCounter() as second:
+        g2 = torch.autograd.grad(loss, [x, w1, w2])
+    assert seg.last_plan > plan_first  # the second replay rebuilt them from the inputs
+    assert second.counts["mm"] > first.counts["mm"]
+    assert_bitwise(g1, expected)
+    assert_bitwise(g2, expected)
+
+
 # -- sessions --------------------------------------------------------------------------------
 
 
