@@ -4,6 +4,9 @@ Captured once per forward call and restored around each replay:
 
 - the CPU generator state and, when the accelerator is initialised, the generator state of
   every accelerator device the call's tensor arguments (positional and keyword) live on;
+- the state of each explicit ``torch.Generator`` the block draws from, as it was before the
+  block's first draw, when the caller can see the block's ops (``note_generator``: remat's
+  tracer and its torch.func path do; ``ckptfx.checkpoint``, like torch's checkpoint, cannot);
 - CPU and accelerator autocast (enabled, dtype, cache), so a replay run outside autocast
   still computes in the forward's dtype;
 - the ``torch.device(...)`` context the forward ran under.
@@ -47,7 +50,7 @@ class ReplayEnv:
     """RNG, autocast and device context of one forward call, restorable for its replays."""
 
     __slots__ = ("cpu_rng", "device_type", "device_rng", "cpu_autocast", "device_autocast",
-                 "device_ctx")
+                 "device_ctx", "generators")
 
     def __init__(self, tensors: Iterable[Any], preserve_rng_state: bool) -> None:
         device_type = None
@@ -76,6 +79,13 @@ class ReplayEnv:
             else None
         )
         self.device_ctx = _compat.device_context_mode() if _compat.has_function_modes() else None
+        self.generators: dict[torch.Generator, torch.Tensor] = {}
+
+    def note_generator(self, generator: torch.Generator) -> None:
+        """Record ``generator``'s state if this is the block's first draw from it (call it
+        before the op draws)."""
+        if generator not in self.generators:
+            self.generators[generator] = generator.get_state()
 
     def restored(self) -> "_Restored":
         """Run the body as the forward ran: its RNG, autocast and device context.
@@ -89,7 +99,7 @@ class ReplayEnv:
 class _Restored:
     """The context manager of ``ReplayEnv.restored`` (a class: replays are frequent)."""
 
-    __slots__ = ("env", "saved_cpu", "saved_dev", "contexts")
+    __slots__ = ("env", "saved_cpu", "saved_dev", "saved_gens", "contexts")
 
     def __init__(self, env: ReplayEnv) -> None:
         self.env = env
@@ -106,6 +116,9 @@ class _Restored:
             self.saved_dev = [(mod, i, mod.get_rng_state(i)) for i, _ in env.device_rng]
             for i, state in env.device_rng:
                 mod.set_rng_state(state, i)
+        self.saved_gens = [(g, g.get_state()) for g in env.generators]
+        for g, state in env.generators.items():
+            g.set_state(state)
         contexts = []
         if _autocast_state("cpu") != env.cpu_autocast:
             enabled, dtype, cache = env.cpu_autocast
@@ -142,3 +155,5 @@ class _Restored:
             torch.set_rng_state(self.saved_cpu)
         for mod, i, state in self.saved_dev:
             mod.set_rng_state(state, i)
+        for g, state in self.saved_gens:
+            g.set_state(state)

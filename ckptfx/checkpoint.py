@@ -78,6 +78,9 @@ def checkpoint(
       by the parent, and a replay starts as if no checkpoint were active.
     - The replay restores the forward's CPU and accelerator RNG state (devices of positional
       and keyword tensor arguments) and its autocast state, then puts the caller's RNG back.
+      As with torch, an explicit ``torch.Generator`` the block draws from (``generator=g``)
+      is not restored, since the kernel does not see the block's ops: the replay would draw
+      other numbers. ``ckptfx.remat`` records such generators and replays them exactly.
     - Under ``torch.no_grad``/``inference_mode`` the function just runs and nothing is saved.
     - Under ``torch.compile`` the call is handed to torch's own checkpoint.
 

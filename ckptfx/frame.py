@@ -247,7 +247,8 @@ class Frame:
         tensors: Replay = [None] * len(self.holders)
         outer = tls.scheduled_replay
         tls.scheduled_replay = scheduled
-        lock = _rng_lock if self.env.cpu_rng is not None or self.env.device_rng else None
+        env = self.env
+        lock = _rng_lock if env.cpu_rng is not None or env.device_rng or env.generators else None
         try:
             if lock is None:
                 self.rerun(self, tensors)

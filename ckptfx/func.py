@@ -127,12 +127,16 @@ class _KeepMode(_compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        info = _op_info(func)
+        if info.seeded:  # explicit generators: the replay starts them where the block did
+            for g in (*args, kwargs.get("generator")):
+                if isinstance(g, torch.Generator):
+                    self.block.env.note_generator(g)  # type: ignore[union-attr]
         out = func(*args, **kwargs)
         index, self.index = self.index, self.index + 1
         self.funcs.append(func)
         policy = self.block.policy
         if policy is not None:
-            info = _op_info(func)
             for i, name in info.writes:
                 v = args[i] if i < len(args) else kwargs.get(name)
                 for t in (v if isinstance(v, (list, tuple)) else (v,)):

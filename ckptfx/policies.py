@@ -4,7 +4,10 @@ A policy is called once per ATen op of the block's forward, as
 ``policy(ctx, op, *args, **kwargs)``: the same signature as torch's selective-checkpoint
 policy functions, which ckptfx accepts unchanged. It answers for the op's outputs:
 
-- ``True`` / ``CheckpointPolicy.MUST_SAVE`` / ``PREFER_SAVE``: keep them;
+- ``True`` / ``CheckpointPolicy.PREFER_SAVE``: keep them (a permission, as in JAX);
+- ``CheckpointPolicy.MUST_SAVE``: keep them, and never run the op again (for ops with side
+  effects, such as collectives): where ``True`` lets a later replay recompute a value kept
+  only for the replay (see trace.py, Rule 2b), ``MUST_SAVE`` keeps it for the graph's life;
 - ``False`` / ``MUST_RECOMPUTE`` / ``PREFER_RECOMPUTE``: recompute them in the backward;
 - an ``Offload`` (or ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``): keep them in host memory.
 
@@ -72,10 +75,13 @@ class Offload:
 
 
 SAVE, RECOMPUTE = True, False
-Decision = Union[bool, Offload]
+# The normalised answer: False, True, CheckpointPolicy.MUST_SAVE (a keep that is never
+# recomputed) or an Offload. Only ``is False`` means recompute.
+MUST_SAVE = CheckpointPolicy.MUST_SAVE
+Decision = Union[bool, CheckpointPolicy, Offload]
 
 _ENUM_DECISIONS: dict[Any, Decision] = {
-    CheckpointPolicy.MUST_SAVE: SAVE,
+    CheckpointPolicy.MUST_SAVE: MUST_SAVE,
     CheckpointPolicy.PREFER_SAVE: SAVE,
     CheckpointPolicy.MUST_RECOMPUTE: RECOMPUTE,
     CheckpointPolicy.PREFER_RECOMPUTE: RECOMPUTE,
@@ -195,8 +201,9 @@ class SaveFromBothPolicies(Policy):
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         a = call_policy(self.first, ctx, op, args, kwargs)
         b = call_policy(self.second, ctx, op, args, kwargs)
-        if a is True or b is True:
-            return True
+        for keep in (MUST_SAVE, True):  # the stronger keep wins
+            if a is keep or b is keep:
+                return keep
         return a if isinstance(a, Offload) else b
 
 

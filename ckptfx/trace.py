@@ -17,27 +17,32 @@ Rules
 
 2b. As in JAX, a value the policy lets keep is kept when the backward *or the replay* reads
    it: such values are held during the forward and, at its end, those on the replay's
-   frontier are kept, the rest released. A value kept only for the replay is single-use,
-   like an entry of torch's selective-checkpoint cache: the first replay lets go of it after
-   its last read, so the backward never holds it beside what the replay rebuilt from it; a
-   later replay of the block (a second backward with ``retain_graph``, another session)
-   recomputes it instead of failing. Block inputs (and views of them) are filled by the
-   replay from the frame's saved inputs, so a parent checkpoint hands them out once.
+   frontier are kept, the rest released. A value kept only for the replay, by a policy's
+   permission (``True``, ``PREFER_SAVE``), is single-use, as each residual is in one JAX
+   backward: the first replay lets go of it after its last read, so the backward does not
+   hold it beside what the replay rebuilt from it, and a later replay of the block (a second
+   backward with ``retain_graph``, another session) recomputes it (torch's selective
+   checkpoint raises there). If it was rewritten in place since the forward, the replay
+   recomputes it too. ``MUST_SAVE`` values (ops never to run twice, e.g. collectives) and
+   offloaded ones stay for the graph's life. Block inputs (and views of them) are filled by
+   the replay from the frame's saved inputs, so a parent checkpoint hands them out once.
 
 3. In-place writes are versioned per base storage (a view shares its base's). An op reads a
    value at a version; a pack keeps a value at a version. The replay of a recomputed value
    runs only the ops it transitively needs, reading kept values where a kept (slot, version)
    is still alive instead of recomputing it, and lets go of each value after the last op
    that reads it (the forward's memory profile, not every intermediate at once). Seeded
-   random ops replay with the generator state recorded right before them, so skipping ops
-   never shifts a dropout mask.
+   random ops replay with the generator states recorded right before them (the global
+   generators' and any explicit ``generator=``'s), so skipping ops never shifts a dropout
+   mask; the caller's generators are put back after the replay.
 
 4. The segment is replayed only if it is shown replayable; otherwise the frame re-runs the
    Python function (the kernel's default strategy). Not replayable: a buffer from
    ``torch.empty`` read before any recorded op wrote it (a custom kernel filled it), a write
-   to an input or outside tensor, a write to a value after it was saved, an op with an
-   explicit ``generator``, tensor subclasses, or autograd running inside the block. An
-   outside tensor modified in place between forward and backward is a ``CheckpointError``.
+   to an input or outside tensor, a write to a value after it was saved, tensor subclasses,
+   or autograd running inside the block (that re-run restores explicit generators too, to
+   their state before the block's first draw). An outside tensor modified in place between
+   forward and backward is a ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -196,7 +201,10 @@ class Segment:
         self.replayable = True
         self.why_not: str | None = None
         self.last_plan: int = 0
-        # Values the policy keeps because the replay (not autograd) reads them (Rule 2b).
+        # Values the policy keeps because the replay (not autograd) reads them (Rule 2b):
+        # single-use ones (the policy permitted the keep) and, for the graph's life, those it
+        # insisted on (MUST_SAVE) or moved to the host.
+        self.single_use: list[Any] = []
         self.extra: list[Any] = []
 
     def not_replayable(self, why: str) -> None:
@@ -218,16 +226,15 @@ class Segment:
                    if frame.holders[pos]() is not None]
         if not targets:
             return
+        # A single-use value rewritten in place since the forward is recomputed (Rule 2b).
+        stale = {id(k) for k in self.single_use if k.tensor._version != k.version}
         available: dict[tuple[int, int], Any] = {}
         for sv, ref in self.kept.items():
             kept = ref()
-            if kept is not None:
+            if kept is not None and id(kept) not in stale:
                 available[sv] = kept
         plan = self._plan([sv for _, sv in targets], available)
         self.last_plan = len(plan)
-        # Values kept only because the replay reads them are single-use (Rule 2b): this
-        # replay takes them over and lets go of each after its last read.
-        self.extra.clear()
         vals: list[Any] = [None] * len(self.producer)
         for slot, t in zip(self.input_slots, frame.saved_inputs()):
             vals[slot] = t
@@ -240,8 +247,11 @@ class Segment:
                     "values. Run the backward before updating it, or pass it as an argument."
                 )
             vals[slot] = t
+        # Values kept only because the replay reads them are single-use (Rule 2b): this
+        # replay takes them over and lets go of each after its last read.
+        self.single_use.clear()
         release = self._release_after(plan, targets, available)
-        with _ReplayGuard(frame.env.device_type):
+        with _ReplayGuard(frame.env.device_type, frame.env.generators):
             for k, i in enumerate(plan):
                 op = self.ops[i]
                 leaves = list(op.leaves)
@@ -340,8 +350,9 @@ def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} {list(t.shape)}"
 
 
-def _rng_states(device: Any) -> tuple[torch.Tensor, Any]:
-    """The generator states a seeded op on ``device`` draws from (CPU's always)."""
+def _rng_states(device: Any, generators: list[torch.Generator]) -> tuple[Any, ...]:
+    """The generator states a seeded op on ``device`` draws from: CPU's always, the device's,
+    and those of the explicit generators it was given."""
     dev_state = None
     if isinstance(device, str):  # a factory op's device= keyword
         device = torch.device(device)
@@ -349,22 +360,26 @@ def _rng_states(device: Any) -> tuple[torch.Tensor, Any]:
         mod = torch.get_device_module(device.type)
         index = device.index if device.index is not None else mod.current_device()
         dev_state = (mod, index, mod.get_rng_state(index))
-    return torch.get_rng_state(), dev_state
+    return torch.get_rng_state(), dev_state, [(g, g.get_state()) for g in generators]
 
 
-def _set_rng(states: tuple[torch.Tensor, Any]) -> None:
-    cpu, dev = states
+def _set_rng(states: tuple[Any, ...]) -> None:
+    cpu, dev, gens = states
     torch.set_rng_state(cpu)
     if dev is not None:
         mod, index, state = dev
         mod.set_rng_state(state, index)
+    for g, state in gens:
+        g.set_state(state)
 
 
 class _ReplayGuard:
-    """No grad, no autocast (ops were recorded after it), the caller's RNG put back."""
+    """No grad, no autocast (ops were recorded after it), the caller's RNG put back: the
+    global generators' and the explicit ``generators`` the block drew from."""
 
-    def __init__(self, device_type: str | None) -> None:
+    def __init__(self, device_type: str | None, generators: Any = ()) -> None:
         self.device_type = device_type
+        self.generators = generators
 
     def __enter__(self) -> None:
         self.grad = torch.is_grad_enabled()
@@ -375,6 +390,7 @@ class _ReplayGuard:
         for a in self.autocast:
             a.__enter__()
         self.cpu_rng = torch.get_rng_state()
+        self.gen_states = [(g, g.get_state()) for g in self.generators]
         self.dev_rng = None
         if self.device_type is not None:
             mod = torch.get_device_module(self.device_type)
@@ -383,6 +399,8 @@ class _ReplayGuard:
 
     def __exit__(self, *exc: Any) -> None:
         torch.set_rng_state(self.cpu_rng)
+        for g, state in self.gen_states:
+            g.set_state(state)
         if self.dev_rng is not None:
             mod, state = self.dev_rng
             mod.set_rng_state(state)
@@ -498,10 +516,13 @@ class Tracer(_compat.TorchDispatchMode):
         if _graph_task_id() != -1:
             seg.not_replayable("autograd ran inside the block")
         rng = None
-        if info.seeded:  # only random ops take a generator
+        if info.seeded:  # only random ops take a generator (some positionally)
+            gens = [a for a in args if isinstance(a, torch.Generator)]
             if kwargs.get("generator") is not None:
-                seg.not_replayable(f"{func} uses an explicit generator")
-            rng = _rng_states(device or kwargs.get("device"))
+                gens.append(kwargs["generator"])
+            for g in gens:
+                self.frame.env.note_generator(g)  # for a replay that re-runs the function
+            rng = _rng_states(device or kwargs.get("device"), gens)
         out = func(*args, **kwargs)
         index = len(seg.ops)
         op = _Op(func, spec, leaves, inputs, rng,
@@ -697,7 +718,7 @@ class Tracer(_compat.TorchDispatchMode):
                 else:
                     packed = _Kept(t)
                     self._note("saved", t, slot, version)
-                seg.extra.append(packed)
+                (seg.single_use if decision is True else seg.extra).append(packed)
                 seg.kept[sv] = weakref.ref(packed)
                 continue
             ops = [seg.producer[slot]]

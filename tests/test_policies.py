@@ -59,6 +59,26 @@ def test_name_policies() -> None:
     assert odot(CTX, aten.bmm.default) is False
 
 
+def test_torch_policy_answers_and_their_combination() -> None:
+    """MUST_SAVE stays distinct from a plain keep (it is never recomputed, not even by a later
+    replay); combined with another policy, the stronger keep wins."""
+    def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return {aten.mm.default: CheckpointPolicy.MUST_SAVE,
+                aten.bmm.default: CheckpointPolicy.PREFER_SAVE}.get(
+                    op, CheckpointPolicy.PREFER_RECOMPUTE)
+
+    decide = ckptfx.policies.call_policy
+    assert decide(torch_policy, CTX, aten.mm.default, (), {}) is CheckpointPolicy.MUST_SAVE
+    assert decide(torch_policy, CTX, aten.bmm.default, (), {}) is True
+    assert decide(torch_policy, CTX, aten.relu.default, (), {}) is False
+    both = cp.save_from_both_policies(cp.dots_saveable, torch_policy)
+    assert both(CTX, aten.mm.default) is CheckpointPolicy.MUST_SAVE
+    assert both(CTX, aten.bmm.default) is True
+    assert both(CTX, aten.relu.default) is False
+    assert cp.save_from_both_policies(torch_policy, cp.offload_dot_with_no_batch_dims())(
+        CTX, aten.mm.default) is CheckpointPolicy.MUST_SAVE
+
+
 def test_checkpoint_name_is_an_identity_outside_remat() -> None:
     x = torch.randn(3)
     assert ckptfx.checkpoint_name(x, "x") is x

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+import torch.utils.checkpoint as tcp
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -363,8 +364,8 @@ def test_frame_and_segment_are_freed_with_the_graph() -> None:
     w1 = torch.randn(6, 8, requires_grad=True)
     w2 = torch.randn(8, 8, requires_grad=True)
     out, seg = segment_of(ckptfx.remat(_relu_mlp, policy=cp.dots_saveable), x, w1, w2)
-    assert seg.extra  # kept matmul outputs live on the segment
-    kept = weakref.ref(seg.extra[0].tensor)
+    assert seg.single_use  # kept matmul outputs live on the segment
+    kept = weakref.ref(seg.single_use[0].tensor)
     seg_ref = weakref.ref(seg)
     del out, seg
     gc.collect()
@@ -388,20 +389,125 @@ def test_values_kept_only_for_the_replay_are_single_use(block: Any) -> None:
     expected = torch.autograd.grad(out.sum(), [x, w1, w2])
     torch.manual_seed(5)
     out, seg = segment_of(ckptfx.remat(block, policy=cp.dots_saveable), x, w1, w2)
-    assert seg.extra
-    kept = [weakref.ref(k.tensor) for k in seg.extra]
+    assert seg.single_use and not seg.extra
+    kept = [weakref.ref(k.tensor) for k in seg.single_use]
     loss = out.sum()
     with OpCounter() as first:
         g1 = torch.autograd.grad(loss, [x, w1, w2], retain_graph=True)
     plan_first = seg.last_plan
     gc.collect()
-    assert not seg.extra and all(r() is None for r in kept)  # freed, the graph still alive
+    assert not seg.single_use and all(r() is None for r in kept)  # freed, the graph alive
     with OpCounter() as second:
         g2 = torch.autograd.grad(loss, [x, w1, w2])
     assert seg.last_plan > plan_first  # the second replay rebuilt them from the inputs
     assert second.counts["mm"] > first.counts["mm"]
     assert_bitwise(g1, expected)
     assert_bitwise(g2, expected)
+
+
+def _explicit_generators(x: torch.Tensor, g: torch.Generator, replayable: bool) -> torch.Tensor:
+    mask = torch.bernoulli(torch.full_like(x, 0.5), generator=g)  # generator= by keyword
+    counts = torch.poisson(x.detach().exp() * 3, g)  # ... and positionally, in its schema
+    h = (x.sin() * mask).cos() * counts
+    if not replayable:
+        buf = torch.empty(h.shape[-1])
+        buf.numpy()[:] = 0.5  # filled outside ATen: the replay re-runs the function
+        h = h * buf
+    return h.tanh().sum()
+
+
+@pytest.mark.parametrize("transform, replayable", [
+    ("autograd", True), ("autograd", False),
+    ("torch.func.grad", True),  # that path re-runs the function in its backward anyway
+], ids=["recorded", "rerun", "torch.func"])
+def test_explicit_generators_replay_exactly(transform: str, replayable: bool) -> None:
+    """Ops drawing from a user's torch.Generator replay with the numbers the forward drew
+    (torch's checkpoint and ckptfx.checkpoint draw new ones), and the backward leaves the
+    generator where the forward left it."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, requires_grad=True)
+    block = ckptfx.remat(_explicit_generators, static_argnums=(1, 2))
+    got = []
+    for fn in (_explicit_generators, block):
+        g.manual_seed(3)
+        if transform == "autograd":
+            out = fn(x, g, replayable)
+            after_forward = g.get_state()
+            got.append(torch.autograd.grad(out, x)[0])
+        else:
+            got.append(torch.func.grad(fn)(x.detach(), g, replayable))
+            after_forward = None
+        if after_forward is not None:
+            assert torch.equal(g.get_state(), after_forward)  # the replay put it back
+    assert_bitwise(got[1:], got[:1])
+
+
+def test_explicit_generator_under_the_kernel_is_torchs_limit() -> None:
+    """Differential: torch's checkpoint and ckptfx.checkpoint both replay a block drawing
+    from an explicit generator with the generator's current state (documented; the kernel
+    cannot see the op), while remat is exact."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, requires_grad=True)
+    results = {}
+    for name, fn in (("plain", _explicit_generators),
+                     ("torch", lambda *a: tcp.checkpoint(_explicit_generators, *a,
+                                                         use_reentrant=False)),
+                     ("ckptfx.checkpoint", lambda *a: ckptfx.checkpoint(_explicit_generators, *a)),
+                     ("remat", ckptfx.remat(_explicit_generators, static_argnums=(1, 2)))):
+        g.manual_seed(3)
+        results[name] = torch.autograd.grad(fn(x, g, True), x)[0]
+    assert torch.equal(results["remat"], results["plain"])
+    assert not torch.equal(results["torch"], results["plain"])
+    assert not torch.equal(results["ckptfx.checkpoint"], results["plain"])
+
+
+def test_a_replay_that_raises_raises_again_when_retried() -> None:
+    """A replay refused because a tensor from outside the arguments changed is refused again
+    when retried: the refusal comes before the replay takes over its single-use values."""
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6, requires_grad=True)
+    out = ckptfx.remat(lambda x: torch.relu(x @ w).sum(), policy=cp.dots_saveable)(x)
+    with torch.no_grad():
+        w.add_(1)  # a tensor read from outside the arguments, changed before the backward
+    for _ in range(2):
+        with pytest.raises(ckptfx.CheckpointError, match="modified in place"):
+            torch.autograd.grad(out, [x, w], retain_graph=True)
+
+
+def test_must_save_ops_are_never_run_again() -> None:
+    """An op a torch policy marks MUST_SAVE (say, a collective) runs once however many
+    replays the block has; a PREFER_SAVE keep only the replay reads may be recomputed."""
+    calls = {"must": 0, "prefer": 0}
+    doubled = {}
+    for kind in calls:
+        @torch.library.custom_op(f"ckptfx_test::twice_{kind}", mutates_args=())
+        def twice(x: torch.Tensor, kind: str = kind) -> torch.Tensor:
+            calls[kind] += 1
+            return x * 2
+
+        twice.register_autograd(lambda ctx, g: g * 2)
+        doubled[kind] = twice
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(6, 6, requires_grad=True)
+    for kind, answer in (("must", CheckpointPolicy.MUST_SAVE),
+                         ("prefer", CheckpointPolicy.PREFER_SAVE)):
+        op = doubled[kind]
+
+        def policy(ctx: Any, func: Any, *args: Any, op: Any = op, answer: Any = answer,
+                   **kwargs: Any) -> Any:
+            return answer if func is op._opoverload else CheckpointPolicy.PREFER_RECOMPUTE
+
+        def block(x: torch.Tensor, w: torch.Tensor, op: Any = op) -> torch.Tensor:
+            return torch.relu(op(x @ w)).sum()  # relu saves its output: the op's is replay-only
+
+        expected = torch.autograd.grad(block(x, w), [x, w])
+        calls[kind] = 0
+        out = ckptfx.remat(block, policy=policy)(x, w)
+        grads = [torch.autograd.grad(out, [x, w], retain_graph=True),
+                 torch.autograd.grad(out, [x, w])]
+        for g in grads:
+            assert_bitwise(g, expected)
+        assert calls[kind] == (1 if kind == "must" else 2), (kind, calls)
 
 
 # -- sessions --------------------------------------------------------------------------------
