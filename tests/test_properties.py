@@ -132,6 +132,24 @@ def test_remat_is_bitwise_exact(ops: list[str], policy, seed: int, bf16: bool) -
     assert same(ref, got), (ops, policy)
 
 
+@settings(max_examples=int(os.environ.get("CKPTFX_PROPERTY_EXAMPLES", 40)), deadline=None,
+          derandomize=os.environ.get("CKPTFX_PROPERTY_RANDOM") is None)
+@given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=10),
+       policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16))
+def test_remat_second_backward_is_bitwise_exact(ops: list[str], policy, seed: int) -> None:
+    """Two backward calls over one remat forward (retain_graph): the second replay rebuilds
+    what the first let go of (single-use kept values, freed intermediates), bitwise."""
+    block = make_block(ops)
+    params, x = inputs()
+    ref = grads(block, params, x, seed)
+    torch.manual_seed(seed)
+    loss = ckptfx.remat(block, policy=policy)(params, x).square().sum()
+    leaves = [x, *params.values()]
+    first = torch.autograd.grad(loss, leaves, retain_graph=True, allow_unused=True)
+    second = torch.autograd.grad(loss, leaves, allow_unused=True)
+    assert same(ref, list(first)) and same(ref, list(second)), (ops, policy)
+
+
 @settings(max_examples=int(os.environ.get("CKPTFX_PROPERTY_EXAMPLES", 30)), deadline=None, derandomize=os.environ.get("CKPTFX_PROPERTY_RANDOM") is None)
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=8),
        policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16))
