@@ -267,41 +267,44 @@ class Segment:
                         out, none_is_leaf=True)
                     for j, slot in op.outs:
                         vals[slot] = out_leaves[j]
-                slots, svs = release[k]
-                for slot in slots:
-                    vals[slot] = None
-                for sv in svs:
-                    del available[sv]
+                drop = release[k]
+                if drop is not None:
+                    for r in drop:  # a slot (int) or a kept value's (slot, version)
+                        if r.__class__ is int:
+                            vals[r] = None
+                        else:
+                            del available[r]
         for pos, sv in targets:
             kept = available.get(sv)
             tensors[pos] = vals[sv[0]] if kept is None else kept.get()
 
     def _release_after(self, plan: list[int], targets: list[tuple[int, tuple[int, int]]],
-                       available: dict[tuple[int, int], Any]
-                       ) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """Per step of ``plan``: the slots and the kept values (by (slot, version)) that no
-        later step reads or writes and no target is. The replay lets go of them there, so
+                       available: dict[tuple[int, int], Any]) -> list[list[Any] | None]:
+        """Per step of ``plan``, what no later step reads or writes and no target is: slots
+        (ints) and kept values (their (slot, version)). The replay lets go of them there, so
         its intermediates are freed as the forward freed them instead of all living until
         the replay ends."""
-        last: dict[int, int] = {}
-        last_kept: dict[tuple[int, int], int] = {}
+        ops = self.ops
+        last: dict[Any, int] = {}
         for k, i in enumerate(plan):
-            op = self.ops[i]
+            op = ops[i]
             for _, slot, version in op.inputs:
                 last[slot] = k
-                if (slot, version) in available:
-                    last_kept[(slot, version)] = k
+                sv = (slot, version)
+                if sv in available:
+                    last[sv] = k
             for _, slot in op.outs:
                 last[slot] = k
-        release: list[tuple[list[int], list[tuple[int, int]]]] = [([], []) for _ in plan]
-        wanted = {sv for _, sv in targets}
-        wanted_slots = {slot for slot, _ in wanted}
-        for slot, k in last.items():
-            if slot not in wanted_slots:
-                release[k][0].append(slot)
-        for sv, k in last_kept.items():
-            if sv not in wanted:
-                release[k][1].append(sv)
+        for _, sv in targets:
+            last.pop(sv[0], None)
+            last.pop(sv, None)
+        release: list[list[Any] | None] = [None] * len(plan)
+        for r, k in last.items():
+            drop = release[k]
+            if drop is None:
+                release[k] = [r]
+            else:
+                drop.append(r)
         return release
 
     def _plan(self, wanted: list[tuple[int, int]], available: dict) -> list[int]:
