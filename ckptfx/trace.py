@@ -435,7 +435,7 @@ class Tracer(_compat.TorchDispatchMode):
         self.input_names = input_names
         self.attr = f"_ckptfx_{next(_token)}"
         self.seg = seg = Segment()
-        self.decision: list[Any] = []      # slot -> True (keep) / False / Offload
+        self.decision: list[Any] = []      # slot -> True / MUST_SAVE (keep), False, Offload
         self.root: list[int] = []          # slot -> input/outside slot it views, or -1
         self.ids: dict[int, int] = {}      # id of input/outside tensor -> slot
         self.uninit: set[int] = set()      # base slots from torch.empty not yet written
