@@ -16,7 +16,8 @@ the same run, alternated, medians reported as ratios to no checkpointing:
               any split backward is measured against (not a split step)
 
 Block runs are counted by a counter inside the block and reported per block per step.
-It also times the forward overhead of one checkpoint call (ckptfx vs torch) on a tiny block.
+It also times the forward overhead of one checkpoint call (ckptfx.checkpoint and remat vs
+torch) on a tiny block.
 
 Usage::
 
@@ -86,11 +87,14 @@ def make_step(variant: str, blocks: list[MLPBlock], x: torch.Tensor,
             h = tcp.checkpoint(b, h, use_reentrant=False)
         split_backward(h, x, params, g, None)
 
+    def stack(h: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            h = ckptfx.checkpoint(b, h)
+        return h
+
     def step_ckptfx() -> None:
         with ckptfx.recompute_handle_collector_ctx() as handles:
-            h = x
-            for b in blocks:
-                h = ckptfx.checkpoint(b, h)
+            h = stack(x)
         try:
             for hd in handles:
                 ckptfx.recompute_handle(hd, "mb")
@@ -99,18 +103,11 @@ def make_step(variant: str, blocks: list[MLPBlock], x: torch.Tensor,
             ckptfx.clear_recompute_session("mb")
 
     def step_ckptfx_lazy() -> None:
-        h = x
-        for b in blocks:
-            h = ckptfx.checkpoint(b, h)
+        h = stack(x)
         try:
             split_backward(h, x, params, g, "mb")
         finally:
             ckptfx.clear_recompute_session("mb")
-
-    def stack(h: torch.Tensor) -> torch.Tensor:
-        for b in blocks:
-            h = ckptfx.checkpoint(b, h)
-        return h
 
     def step_vjp_split() -> None:
         _, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params, session="mb")
