@@ -55,6 +55,11 @@ current_graph_task_id: Callable[[], int] = _require(torch._C, "_current_graph_ta
 get_graph_exec_group: Callable[[], Any] = _require(torch._C, "_get_graph_exec_group")
 current_autograd_node: Callable[[], Any] = _require(torch._C, "_current_autograd_node")
 
+# The sequence number autograd gives the next node it makes on this thread. Every tensor an
+# op saves is packed after the op's node was made and before the next one, so all packs of
+# one op read the same number (frame.py, Rule 6).
+next_sequence_nr: Callable[[], int] = _require(torch._C._autograd, "_get_sequence_nr")
+
 
 def detach_unrecorded(t: torch.Tensor) -> torch.Tensor:
     """``t.detach()`` that no TorchDispatchMode records (autograd still gives the alias
@@ -74,14 +79,10 @@ def device_context_mode() -> Any:
     return None
 
 
-def torch_function_depth() -> int:
-    """How many torch function modes are pushed on this thread."""
-    return torch._C._len_torch_function_stack()
-
-
-def dispatch_mode_depth() -> int:
-    """How many torch dispatch modes are pushed on this thread now."""
-    return torch._C._len_torch_dispatch_stack()
+def top_dispatch_mode() -> Any:
+    """The innermost TorchDispatchMode pushed on this thread, or None."""
+    n = torch._C._len_torch_dispatch_stack()
+    return torch._C._get_dispatch_stack_at(n - 1) if n else None
 
 
 def has_function_modes() -> bool:

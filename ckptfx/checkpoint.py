@@ -3,7 +3,6 @@ on ckptfx's own kernel (frame.py), so that sessions and prefire work for it."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, ContextManager, TypeVar
 
 import torch
@@ -13,7 +12,7 @@ from torch import nn
 from . import _compat
 from ._debug import DebugLogs
 from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
-from .session import collect
+from .session import collect, uncollect
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
 
@@ -162,23 +161,26 @@ def run_checkpointed(
     frame = Frame(function, args, kwargs, preserve_rng_state=preserve_rng_state,
                   determinism_check=determinism_check, early_stop=early_stop,
                   recompute_ctx=recompute_ctx, debug=logs)
+    handles = collect(frame)
     suppressed = True
     _compat.push_saved_tensors_hooks(frame.pack, unpack_hook)
-    start = time.perf_counter()
     try:
         with forward_ctx:
             out = function(*args, **kwargs)
             suppressed = False
+    except BaseException:
+        uncollect(handles, frame)
+        raise
     finally:
         _compat.pop_saved_tensors_hooks()
     if suppressed:
+        uncollect(handles, frame)
         raise RuntimeError(
             "ckptfx.checkpoint: the forward context from context_fn suppressed an exception "
             "raised by the checkpointed function; checkpoint has no output to return for a "
             "failed forward."
         )
-    frame.forward_finished(start)
-    collect(frame)
+    frame.forward_finished()
     return out
 
 

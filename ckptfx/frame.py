@@ -29,19 +29,19 @@ Rules (the invariants the code below keeps; read these before changing it)
    by default the same shape, dtype and device for each. A mismatch is a ``CheckpointError``;
    a replay never hands out a tensor it cannot vouch for.
 
-6. Early stop ends the replay once the last saved tensor exists, but never before an op
-   that saved it has finished writing it: an op may save a buffer and fill it afterwards
-   (``rrelu_with_noise`` does). Two ways, both exact:
-   - blocks whose forward took at least ``PRECISE_STOP_SECONDS`` replay under a dispatch mode
-     that sees each op after autograd packed its inputs: once everything is packed, an op
-     that writes none of its arguments is skipped (as torch stops), one that writes runs
-     first;
-   - smaller blocks, where a dispatch mode's per-op cost would outweigh the op it saves, arm
-     a torch-function mode at the last pack that fires at the block's next torch call,
-     necessarily after the op that packed returned;
-   - blocks whose forward ran for less than ``EARLY_STOP_MIN_TAIL_SECONDS`` after the last
-     pack do not stop early: stopping would cost more than the tail it skips.
-
+6. Early stop ends the replay once the last saved tensor exists, at a point fixed by the
+   program, never by a clock (what runs, what is kept and what is raised must not depend on
+   how long anything took). The stop is torch's: the replay's pack hook raises at the last
+   pack, so the replay runs exactly the ops torch's would. One exception keeps ckptfx exact
+   where torch is not: an op that saves a buffer and then writes it (``rrelu_with_noise``
+   packs its ``noise`` before filling it) must finish first. The forward tells which frames
+   have such an op: autograd gives every node a sequence number and the packs of one op all
+   see the same next number, so the frame holds the tensors the op running now packed (those
+   that do not require grad: buffers; never activations) and, when the forward ends, checks
+   whether the last op wrote one of them after packing it (``last_op_writes_saved``). Only
+   such frames replay under a dispatch mode (``_StopAfterWriter``) that sees each op: once
+   every tensor is packed, the op that writes one of the last op's packed tensors runs, then
+   the replay ends; any other op ends it before running.
 7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
    a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
    and checks are the frame's.
@@ -57,13 +57,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from typing import Any, Callable, Hashable
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
-from torch.overrides import TorchFunctionMode
 
 from . import _compat
 from ._env import ReplayEnv
@@ -109,49 +107,41 @@ class _Stop(Exception):
     """Raised inside the block to end a replay early (Rule 6)."""
 
 
-class _StopAtNextCall(TorchFunctionMode):
-    # Pushed at the last pack; the next torch call the block makes ends the replay. Calls
-    # made inside an op by a dispatch mode's handler (which runs with that mode popped) are
-    # part of the op still running and pass through.
-    def __init__(self) -> None:
-        super().__init__()
-        self.depth = _compat.dispatch_mode_depth()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        # Attribute access computes nothing and passes too: an in-place op whose saved
-        # inputs were just packed (mul_ by a tensor saves self first) sets _backward_hooks
-        # through the Python setter from C++, where a raise becomes a SystemError.
-        if (_compat.dispatch_mode_depth() < self.depth
-                or getattr(func, "__name__", None) in _ATTRIBUTE_ACCESS):
-            return func(*args, **(kwargs or {}))
-        raise _Stop
-
-
-_ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
-
-
-class _StopBeforeOp(_compat.TorchDispatchMode):
-    # Active during a whole replay of a large block (Rule 6): once every saved tensor is
-    # packed, end the replay before the op at hand, or right after it if it writes in place.
+class _LastOpWatch(_compat.TorchDispatchMode):
+    # Pushed by the replay's pack hook once the packs of every op before the forward's last
+    # saving op are done (Rule 6), so the last op's own dispatch reaches it: autograd packs an
+    # op's inputs before the op reaches a dispatch mode and its outputs after it returns.
     def __init__(self, rec: "_Recorder") -> None:
         super().__init__()
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         rec = self.rec
+        kwargs = kwargs or {}
+        if rec.last_op_ran is None:  # the pack hook's own detach
+            return func(*args, **kwargs)
         if rec.count < rec.stop_at:
-            return func(*args, **(kwargs or {}))
-        if op_info(func).writes:
-            func(*args, **(kwargs or {}))
+            if rec.count > rec.last_op_first:  # the last op runs; its outputs pack next
+                rec.last_op_ran = True
+            return func(*args, **kwargs)
+        # Every tensor is packed and the op at hand is the one that packed the last ones.
+        if _writes_one_of(func, args, kwargs, rec.last_op_packs):
+            func(*args, **kwargs)  # it fills a tensor it saved (rrelu's noise): finish it
         raise _Stop
 
 
-# Forward time above which a replay uses the precise stop (Rule 6); a dispatch mode costs a
-# few microseconds per op, the op it skips costs about a block's forward over its op count.
-PRECISE_STOP_SECONDS = 2e-3
-# Stopping early costs ~10 us (a mode, an exception through the block); when the forward ran
-# for less than this after its last saved tensor, the replay runs to the end instead.
-EARLY_STOP_MIN_TAIL_SECONDS = 15e-6
+def _writes_one_of(func: Any, args: tuple, kwargs: dict, ids: set[int]) -> bool:
+    """True if ``func`` writes in place one of the tensors whose ``id`` is in ``ids`` (they
+    are alive: the op holds them)."""
+    writes = op_info(func).writes
+    if not writes:
+        return False
+    for i, name in writes:
+        arg = args[i] if i < len(args) else kwargs.get(name)
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if id(t) in ids:
+                return True
+    return False
 
 
 class Holder:
@@ -175,8 +165,7 @@ class Frame:
     __slots__ = (
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
         "recompute_ctx", "debug", "replays", "active", "session",
-        "forward_done", "ignore_count", "shared", "forward_seconds", "tail_seconds",
-        "last_pack", "__weakref__",
+        "forward_done", "ignore_count", "shared", "op_seq", "last_op_first", "__weakref__",
     )
 
     def __init__(
@@ -211,9 +200,10 @@ class Frame:
         self.active: Any = None  # bound by session.py; read by unpack_hook
         self.session: Any = None  # the one session registered on this frame, if any
         self.forward_done = False
-        self.forward_seconds = 0.0  # set by the caller after the forward (Rule 6)
-        self.last_pack = 0.0  # perf_counter() at the last pack of the forward
-        self.tail_seconds = float("inf")  # forward time after the last pack (Rule 6)
+        # Rule 6: the autograd sequence number the packs of the op running now see, and the
+        # position of the first tensor the last op that saved anything packed.
+        self.op_seq = -1
+        self.last_op_first = 0
         self.ignore_count = False
         # Positions whose replayed tensor aliases an input or a parameter (costs no memory),
         # found by the first function replay (None until then); read by session stats.
@@ -226,15 +216,17 @@ class Frame:
         self.holders.append(weakref.ref(holder))
         if self.metas is not None:
             self.metas.append((x.shape, x.dtype, x.device))
-        self.last_pack = time.perf_counter()
+        self.note_op(holder.index)
         return holder
 
-    def forward_finished(self, start: float) -> None:
-        """Record the forward's duration and its tail after the last pack (Rule 6)."""
-        end = time.perf_counter()
-        self.forward_seconds = end - start
-        if self.last_pack:
-            self.tail_seconds = end - self.last_pack
+    def note_op(self, position: int) -> None:
+        """At each pack of the forward: note where the packs of a new op start (Rule 6)."""
+        seq = _compat.next_sequence_nr()
+        if seq != self.op_seq:
+            self.op_seq = seq
+            self.last_op_first = position
+
+    def forward_finished(self) -> None:
         self.forward_done = True
 
     def saved_inputs(self) -> list[Any]:
@@ -322,10 +314,19 @@ def _take(replay: Replay, index: int, retain: bool, act: Any) -> torch.Tensor:
     t = replay[index]
     if t is None:
         if act is None:
+            overlap = ""
+            if _compat.get_graph_exec_group() is not None:
+                overlap = (
+                    "Performing two backward calls that overlap (i.e. require the same saved "
+                    "activation in order to compute gradients) is not allowed while under the "
+                    "torch.utils.checkpoint.GraphExecGroup context. To let several backward "
+                    "calls read one replay, run them in ckptfx.recompute_session_ctx instead. "
+                )
             raise CheckpointError(
-                "ckptfx.checkpoint: a saved tensor is being unpacked a second time in the same "
-                "backward call. Each replayed tensor is handed out once per backward; if a custom "
-                "autograd.Function reads ctx.saved_tensors twice, read it once."
+                "ckptfx.checkpoint: Unpack is being triggered for a tensor that was already "
+                f"unpacked once. {overlap}If you are calling ctx.saved_tensors in backward, "
+                "make sure to do so only once (ckptfx hands each replayed tensor out once per "
+                "backward call)."
             )
         raise CheckpointError(
             f"ckptfx: saved tensor {index} of this block was already handed out and dropped by "
@@ -343,24 +344,45 @@ def _take(replay: Replay, index: int, retain: bool, act: Any) -> torch.Tensor:
 class _Recorder:
     """Pack hook of a replay: files each saved tensor at its position and checks it."""
 
-    __slots__ = ("frame", "tensors", "count", "stop_at", "fn_modes", "stopper", "probe",
-                 "input_ids", "precise")
+    __slots__ = ("frame", "tensors", "count", "stop_at", "last_op_first", "watch",
+                 "last_op_ran", "last_op_packs", "task", "probe", "input_ids", "mismatched")
 
     def __init__(self, frame: Frame, tensors: Replay, inputs: list[Any]) -> None:
         self.frame = frame
         self.tensors = tensors
         self.count = 0
         n = len(tensors)
-        self.stop_at = (n if frame.early_stop and n
-                        and frame.tail_seconds >= EARLY_STOP_MIN_TAIL_SECONDS else -1)
-        self.precise = self.stop_at > 0 and frame.forward_seconds >= PRECISE_STOP_SECONDS
-        self.fn_modes = 0
-        self.stopper: _StopAtNextCall | None = None
+        self.stop_at = n if frame.early_stop and n else -1
+        # Rule 6: from the pack at this position on, _LastOpWatch sees the replay's ops.
+        self.last_op_first = frame.last_op_first if self.stop_at > 0 else -1
+        self.watch: _LastOpWatch | None = None
+        self.last_op_ran = False
+        self.last_op_packs: set[int] = set()
+        # A backward run inside the block restores its own thread state when it ends, a
+        # mode pushed there would vanish: the watch is armed in the replay's own task only.
+        self.task = _compat.current_graph_task_id()
+        # Metadata mismatches, reported together once the replay ended (as torch does).
+        self.mismatched: list[tuple[int, tuple[Any, ...], tuple[Any, ...]]] = []
         # First session replay of the frame: note which saved tensors alias inputs or
         # parameters (for recompute_session_stats; native replays need not know).
         self.probe: list[int] | None = (
             [] if frame.shared is None and tls.scheduled_replay else None)
         self.input_ids = {id(a) for a in inputs} if self.probe is not None else set()
+
+    def start(self) -> None:
+        """Before the block runs: watch from the start if its first saving op is its last."""
+        if self.last_op_first == 0:
+            self.arm()
+
+    def arm(self) -> None:
+        if _compat.current_graph_task_id() == self.task:
+            self.watch = _LastOpWatch(self)
+            self.watch.__enter__()
+
+    def disarm(self) -> None:
+        watch, self.watch = self.watch, None
+        if watch is not None and _compat.top_dispatch_mode() is watch:
+            watch.__exit__(None, None, None)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         frame = self.frame
@@ -368,8 +390,18 @@ class _Recorder:
         probe = self.probe
         if probe is not None and _aliases_input_or_leaf(x, self.input_ids):
             probe.append(i)
+        watching = self.watch is not None
+        if watching:
+            # The object the op will hold at the dispatcher, by id: a reference would be a
+            # cycle gc cannot see (x's graph holds this hook through its saved variables).
+            self.last_op_packs.add(id(x))
         if x.requires_grad:
-            x = x.detach()  # before the count moves on: the precise stop sees this detach
+            if watching:
+                self.last_op_ran = None  # this detach is not an op of the block
+                x = x.detach()
+                self.last_op_ran = False
+            else:
+                x = x.detach()
         self.count = i + 1
         if i >= len(self.tensors):
             if not frame.forward_done:
@@ -378,34 +410,48 @@ class _Recorder:
                 frame.ignore_count = True
                 return x
             raise CheckpointError(
-                "ckptfx.checkpoint: the replay saved more tensors than the original forward "
-                f"({len(frame.holders)}). The block must run the same ops when replayed.\n"
-                + DEBUG_TIP
+                "ckptfx.checkpoint: trying to save more tensors during recomputation than "
+                f"during the original forward pass ({len(frame.holders)}). The block must run "
+                "the same ops when replayed.\n" + DEBUG_TIP
             )
         if frame.holders[i]() is not None:
             self.tensors[i] = x
-        metas = frame.metas
-        if metas is not None:
-            shape, dtype, device = metas[i]
-            if x.dtype != dtype or x.shape != shape or x.device != device:
-                raise CheckpointError(
-                    "ckptfx.checkpoint: the replay saved a tensor with different metadata than "
-                    f"the original forward.\ntensor at position {i}:\n"
-                    f"  forward:  shape={tuple(metas[i][0])} dtype={metas[i][1]} "
-                    f"device={metas[i][2]}\n"
-                    f"  replay:   shape={tuple(x.shape)} dtype={x.dtype} device={x.device}\n"
-                    + DEBUG_TIP
-                )
-        if (self.count == self.stop_at and not self.precise
-                and _compat.torch_function_depth() == self.fn_modes):
-            self.stopper = _StopAtNextCall()
-            self.stopper.__enter__()
+            metas = frame.metas
+            if metas is not None:
+                meta = metas[i]
+                if x.dtype != meta[1] or x.shape != meta[0] or x.device != meta[2]:
+                    self.mismatched.append((i, meta, (x.shape, x.dtype, x.device)))
+        if self.count == self.stop_at:
+            if self.last_op_ran or not watching:
+                raise _Stop  # torch's stop, in the pack of the last saved tensor (Rule 6)
+            # an input of the last op, packed before the op runs: the watch decides
+        elif self.count == self.last_op_first:
+            self.arm()  # the next pack is the last op's first
         return x
 
-    def disarm(self) -> None:
-        stopper, self.stopper = self.stopper, None
-        if stopper is not None and _compat.torch_function_depth() == self.fn_modes + 1:
-            stopper.__exit__(None, None, None)
+    def check(self, frame: Frame) -> None:
+        """After the replay: the count and metadata checks of Rule 5, in torch's words."""
+        if not frame.ignore_count and frame.forward_done and self.count != len(self.tensors):
+            raise CheckpointError(
+                "ckptfx.checkpoint: A different number of tensors was saved during the "
+                "original forward and recomputation.\n"
+                f"Number of tensors saved during forward: {len(self.tensors)}\n"
+                f"Number of tensors saved during recomputation: {self.count}.\n"
+                "The block must run the same ops when replayed.\n" + DEBUG_TIP
+            )
+        if self.mismatched:
+            lines = "".join(
+                f"tensor at position {i}:\n"
+                f"saved metadata: shape={tuple(m[0])} dtype={m[1]} device={m[2]}\n"
+                f"recomputed metadata: shape={tuple(r[0])} dtype={r[1]} device={r[2]}\n"
+                for i, m, r in self.mismatched
+            )
+            raise CheckpointError(
+                "ckptfx.checkpoint: Recomputed values for the following tensors have "
+                f"different metadata than during the forward pass.\n{lines}"
+                "The block must compute the same shapes and dtypes when replayed.\n"
+                + DEBUG_TIP
+            )
 
 
 def _identity(x: Any) -> Any:
@@ -429,13 +475,9 @@ def rerun_function(frame: Frame, tensors: Replay) -> None:
     _compat.push_saved_tensors_hooks(rec.pack, _identity)
     try:
         with torch.enable_grad(), frame.env.restored(), ctx:
-            rec.fn_modes = _compat.torch_function_depth()
             try:
-                if rec.precise:
-                    with _StopBeforeOp(rec):
-                        frame.fn(*args, **frame.kwargs)
-                else:
-                    frame.fn(*args, **frame.kwargs)
+                rec.start()
+                frame.fn(*args, **frame.kwargs)
             except _Stop:
                 pass
             finally:
@@ -444,9 +486,4 @@ def rerun_function(frame: Frame, tensors: Replay) -> None:
         _compat.pop_saved_tensors_hooks()
     if rec.probe is not None:
         frame.shared = frozenset(rec.probe)
-    if not frame.ignore_count and frame.forward_done and rec.count != len(tensors):
-        raise CheckpointError(
-            "ckptfx.checkpoint: a different number of tensors was saved during the original "
-            f"forward ({len(tensors)}) and the replay ({rec.count}). The block must run the "
-            "same ops when replayed.\n" + DEBUG_TIP
-        )
+    rec.check(frame)

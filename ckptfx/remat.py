@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import time
 from typing import Any, Callable, Sequence, TypeVar
 
 import optree
@@ -27,7 +26,7 @@ from . import _compat
 from .frame import Frame, refuse_new_frame_in_scheduled_replay
 from .func import call_function_path
 from .policies import NothingSaveable
-from .session import collect
+from .session import collect, uncollect
 from .trace import Tracer, reporting, residual_unpack_hook
 
 __all__ = ["remat"]
@@ -244,13 +243,14 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         _, _, _, _, dyn_args, dyn_kwargs = flat.pytree()
         names = argument_names(fun, dyn_args, dyn_kwargs)
     tracer = Tracer(frame, tensors, options.policy, names)
+    handles = collect(frame)
     _compat.push_saved_tensors_hooks(tracer.pack, residual_unpack_hook)
-    start = time.perf_counter()
     try:
         with tracer:
             out = flat.fn(*tensors)
     except RuntimeError as err:
         _compat.pop_saved_tensors_hooks()  # on every error path: leave no hooks behind
+        uncollect(handles, frame)
         if not _compat.is_saved_tensors_hooks_refusal(err):
             raise
         # The block uses torch.func.grad/vjp inside, which refuses saved-tensor hooks: run it
@@ -260,12 +260,12 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         return flat.function_path(options.policy)
     except BaseException:
         _compat.pop_saved_tensors_hooks()
+        uncollect(handles, frame)
         raise
     else:
         _compat.pop_saved_tensors_hooks()
-    frame.forward_finished(start)
+    frame.forward_finished()
     tracer.finish()
-    collect(frame)
     return out
 
 

@@ -133,9 +133,10 @@ def recompute_handle_collector_ctx() -> Iterator[list[RecomputeHandle]]:
     """Collect a ``RecomputeHandle`` for each checkpointed call made in this scope.
 
     Every frame created by ``ckptfx.checkpoint`` or ``ckptfx.remat`` inside the ``with`` block
-    (on this thread or task) whose forward completed with grad enabled is appended to the
-    yielded list; the innermost collector gets it. A forward that raised, or ran without grad,
-    adds nothing.
+    (on this thread or task) whose forward completed with grad enabled is in the yielded
+    list, in the order the forwards *started*: an outer block comes before the blocks nested
+    in it. The innermost collector gets it. A forward that raised, or ran without grad, adds
+    nothing.
 
     Example::
 
@@ -152,11 +153,25 @@ def recompute_handle_collector_ctx() -> Iterator[list[RecomputeHandle]]:
         _collector.reset(token)
 
 
-def collect(frame: Frame) -> None:
-    """Called by the kernel when a frame's forward completed."""
+def collect(frame: Frame) -> list[RecomputeHandle] | None:
+    """Called by the kernel when a frame's forward *starts*: the frame's handle takes its
+    place in the innermost collector now, so handles are listed in the order their forwards
+    started (an outer block before the blocks nested in it) and a scheduler that prefires in
+    list order replays an outer block, whose replay re-creates the inner ones, first.
+    Returns what to pass to ``uncollect`` if the forward does not complete."""
     handles = _collector.get()
     if handles is not None:
         handles.append(RecomputeHandle(frame))
+    return handles
+
+
+def uncollect(handles: list[RecomputeHandle] | None, frame: Frame) -> None:
+    """Take back the handle ``collect`` listed for a forward that raised."""
+    if handles is not None:
+        for i in range(len(handles) - 1, -1, -1):
+            if handles[i].frame is frame:
+                del handles[i]
+                return
 
 
 # -- sessions -------------------------------------------------------------------------------

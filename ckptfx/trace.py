@@ -616,6 +616,7 @@ class Tracer(_compat.TorchDispatchMode):
         pos = len(frame.holders)
         if frame.metas is not None:
             frame.metas.append((x.shape, x.dtype, x.device))
+        frame.note_op(pos)  # where a function re-run of this frame stops (frame.py Rule 6)
         slot = x.__dict__.get(self.attr)
         if slot is None:
             index = self.ids.get(id(x))

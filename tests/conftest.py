@@ -106,17 +106,6 @@ def no_hooks_left_behind() -> Iterator[None]:
     assert saved_hooks_stack_empty(), "a test left saved-tensor hooks pushed"
 
 
-@pytest.fixture(autouse=True)
-def _early_stop_always(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests use tiny blocks, whose tail after the last saved tensor is shorter than what
-    stopping early costs, so the kernel would skip early stop for them (frame.py, Rule 6).
-    Make every replay stop early, so the tests exercise the stop mechanisms; the tail
-    heuristic has its own test."""
-    import ckptfx.frame
-
-    monkeypatch.setattr(ckptfx.frame, "EARLY_STOP_MIN_TAIL_SECONDS", 0.0)
-
-
 @pytest.fixture
 def no_sessions_left() -> Iterator[None]:
     """The test starts and ends with no live recompute session (sessions are weak: collect

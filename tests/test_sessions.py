@@ -689,7 +689,8 @@ def test_checkpoint_created_during_scheduled_replay_rejected() -> None:
     x, gout = inputs()
     with ckptfx.recompute_handle_collector_ctx() as handles:
         out = ckptfx.checkpoint(outer, x)
-    outer_handle = handles[-1]  # the outer frame completes last
+    assert len(handles) == 2 and handles[1].frame.fn is inner
+    outer_handle = handles[0]  # listed in the order the forwards started: outer first
     try:
         with pytest.raises(CheckpointError, match="not supported"):
             ckptfx.recompute_handle(outer_handle, "nested")
