@@ -134,3 +134,27 @@ def reparametrize_module(module: Any, tensors: dict[str, Any]) -> Any:
 def is_saved_tensors_hooks_refusal(err: BaseException) -> bool:
     """True for torch.func's refusal to run under saved-tensor hooks."""
     return "don't yet support saved tensor hooks" in str(err)
+
+
+# torch.distributed.pipelining.PipelineStage's dynamic metadata inference (torch >= 2.13) runs
+# once, on the first step, before any micro-batch: a real forward of each stage module through
+# ``_compute_outputs``, then, stage by stage in reverse, one ``autograd.grad`` through
+# ``_compute_input_grads`` whose results it reads for their metadata only (shape, stride, dtype,
+# DTensor placements). ckptfx.pipelining overrides the two where the base class has them.
+PIPELINE_INFERENCE_FORWARD = "_compute_outputs"
+PIPELINE_INFERENCE_INPUT_GRADS = "_compute_input_grads"
+
+
+def pipeline_stage_has_metadata_inference(stage_cls: type) -> bool:
+    """True where ``stage_cls`` (torch's PipelineStage) infers metadata by a real forward
+    and backward through the two methods above."""
+    return all(
+        callable(getattr(stage_cls, name, None))
+        for name in (PIPELINE_INFERENCE_FORWARD, PIPELINE_INFERENCE_INPUT_GRADS)
+    )
+
+
+def pipeline_stage_runtime_validate(stage: Any) -> bool:
+    """True where a pipeline stage checks every runtime tensor against its inferred
+    metadata (``TORCH_DISTRIBUTED_DEBUG=DETAIL``)."""
+    return bool(getattr(stage, "_runtime_validate", False))

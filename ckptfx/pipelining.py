@@ -19,6 +19,20 @@ block once anyway. Gradients are torch's own (the same ``stage_backward_input`` 
 ``stage_backward_weight`` run), so they are bitwise equal to the same schedule without
 checkpointing.
 
+Metadata inference. Without ``input_args``/``output_args``, torch (>= 2.13) infers each
+stage's tensor metadata on the first step: one forward of the stage module on a stand-in
+input, then, for a stage whose inputs require grad (every stage but the first), one
+``autograd.grad`` whose results it reads for their metadata only. Through a checkpointed
+block that backward is a full replay, the one extra run per block of the first step. This
+stage skips it when the inference forward ran ckptfx checkpoints and every input and output
+is a plain tensor: the gradient metadata of a plain tensor is its own shape, stride and dtype,
+torch's rule in its static mode and in its traced stage. DTensors and other tensor subclasses
+(whose gradient placements only a real backward tells), stages without ckptfx checkpoints, and
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (which checks every runtime gradient against the inferred
+stride) keep torch's real backward. So each checkpointed block runs twice per micro-batch on
+every step, plus, on the first step, the one inference forward torch's stage runs without
+checkpointing too; with ``input_args`` and ``output_args`` given there is no inference run.
+
 This module imports ``torch.distributed``; import it explicitly
 (``import ckptfx.pipelining``).
 
@@ -39,8 +53,10 @@ from __future__ import annotations
 import itertools
 from typing import Any, Hashable
 
+import torch
 import torch.distributed.pipelining as _tpp
 
+from . import _compat
 from .frame import tls
 from .session import (
     RecomputeHandle,
@@ -166,6 +182,42 @@ class PipelineStage(_tpp.PipelineStage):
         self._ckptfx_live.discard(sid)
         clear_recompute_session(sid)
 
+    # -- metadata inference (torch >= 2.13, first step; installed below) ----------------------
+
+    def _ckptfx_inference_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's inference forward, noting whether it ran ckptfx checkpoints."""
+        base = getattr(super(), _compat.PIPELINE_INFERENCE_FORWARD)
+        with recompute_handle_collector_ctx() as handles:
+            out = base(*args, **kwargs)
+        self._ckptfx_inference_checkpointed = bool(handles)
+        return out
+
+    def _ckptfx_inference_input_grads(
+        self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor | None, ...]:
+        """torch's inference backward, or, where it would only replay ckptfx checkpoints to
+        learn what a plain tensor's metadata already says, stand-ins with that metadata."""
+        checkpointed = getattr(self, "_ckptfx_inference_checkpointed", False)
+        self._ckptfx_inference_checkpointed = False
+        wanted = [isinstance(t, torch.Tensor) and t.requires_grad for t in inputs]
+        if (
+            not checkpointed
+            or _compat.pipeline_stage_runtime_validate(self)
+            or not all(_is_plain(t) for t in outputs)
+            or not all(_is_plain(t) for t, w in zip(inputs, wanted) if w)
+        ):
+            base = getattr(super(), _compat.PIPELINE_INFERENCE_INPUT_GRADS)
+            return base(outputs, inputs, *args, **kwargs)
+        # Meta tensors (no storage) with the input's shape and dtype, which autograd enforces
+        # on a gradient, and the input's stride. A custom backward may return a gradient of
+        # another stride: across ranks torch cannot send that one (gloo refuses a
+        # non-contiguous tensor) while the input's stride is the contiguous one of its recv
+        # buffer; on one rank the stride is read only by DETAIL validation, handled above.
+        return tuple(
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") if w else None
+            for t, w in zip(inputs, wanted)
+        )
+
     def clear_runtime_states(self) -> None:
         """torch's reset between steps; also drops this stage's handles and sessions."""
         for sid in list(getattr(self, "_ckptfx_live", ())):
@@ -173,3 +225,14 @@ class PipelineStage(_tpp.PipelineStage):
         if hasattr(self, "_ckptfx_handles"):
             self._ckptfx_handles.clear()
         super().clear_runtime_states()
+
+
+def _is_plain(t: Any) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+if _compat.pipeline_stage_has_metadata_inference(_tpp.PipelineStage):
+    setattr(PipelineStage, _compat.PIPELINE_INFERENCE_FORWARD,
+            PipelineStage._ckptfx_inference_forward)
+    setattr(PipelineStage, _compat.PIPELINE_INFERENCE_INPUT_GRADS,
+            PipelineStage._ckptfx_inference_input_grads)
