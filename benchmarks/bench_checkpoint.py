@@ -9,7 +9,8 @@ Two measurements, each reported as ratios between variants measured in the same 
 2. Per-call forward overhead of one checkpoint call on tiny tensors, in microseconds, and
    the same for a forward+backward.
 
-The target of issue 2: ckptfx's step time within 1.05x of torch's checkpoint at equal memory.
+The target: ckptfx's step time within 1.05x of torch's checkpoint and its peak memory at most
+torch's (the verdict judges both). ``bench_memory.py`` measures peaks in fresh processes.
 
 Usage::
 
@@ -175,8 +176,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  memory ckptfx/torch = {peak['ckptfx'] / max(peak['torch'], 1):.3f}   "
           f"ckptfx/none = {peak['ckptfx'] / max(peak['none'], 1):.3f}   "
           f"torch/none = {peak['torch'] / max(peak['none'], 1):.3f}")
-    verdict = "met" if med["ckptfx"] / med["torch"] <= 1.05 else "NOT met"
-    print(f"  target (time within 1.05x of torch at equal memory): {verdict}")
+    time_ok = med["ckptfx"] / med["torch"] <= 1.05
+    # the target is stated as a ratio to two decimals (<= 1.00); pages are 4 KiB
+    memory_ok = round(peak["ckptfx"] / max(peak["torch"], 1), 2) <= 1.00
+    verdict = "met" if time_ok and memory_ok else "NOT met"
+    print(f"  target (time within 1.05x of torch's checkpoint and peak memory at most torch's): "
+          f"{verdict} (time {'ok' if time_ok else 'over'}, memory "
+          f"{'ok' if memory_ok else 'over'})")
 
     overhead = per_call_overhead(args.calls, args.repeats)
     print(f"\nper-call overhead, torch.sin on a 4-element tensor ({args.calls} calls x "

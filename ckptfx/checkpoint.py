@@ -95,9 +95,11 @@ def checkpoint(
         debug: on a replay mismatch, add the forward's and the replay's op traces to the
             error.
         preserve_rng_state: restore RNG for the replay (needed for dropout parity).
-        early_stop: stop the replay once every saved tensor is recomputed. Per call (torch's
-            global ``set_checkpoint_early_stop`` does not change it); never changes a
-            gradient, because the stop waits for the op that saved the last tensor to finish.
+        early_stop: stop the replay once every saved tensor is recomputed, where torch's
+            stops (in the pack of the last saved tensor: the same ops run, on any machine and
+            under any load). Per call (torch's global ``set_checkpoint_early_stop`` does not
+            change it). It never changes a gradient: an op that fills a tensor it saved
+            (``nn.RReLU``) is let finish first, where torch 2.13 stops before it.
 
     Example::
 

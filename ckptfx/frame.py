@@ -29,19 +29,20 @@ Rules (the invariants the code below keeps; read these before changing it)
    by default the same shape, dtype and device for each. A mismatch is a ``CheckpointError``;
    a replay never hands out a tensor it cannot vouch for.
 
-6. Early stop ends the replay once the last saved tensor exists, at a point fixed by the
-   program, never by a clock (what runs, what is kept and what is raised must not depend on
-   how long anything took). The stop is torch's: the replay's pack hook raises at the last
-   pack, so the replay runs exactly the ops torch's would. One exception keeps ckptfx exact
-   where torch is not: an op that saves a buffer and then writes it (``rrelu_with_noise``
-   packs its ``noise`` before filling it) must finish first. The forward tells which frames
-   have such an op: autograd gives every node a sequence number and the packs of one op all
-   see the same next number, so the frame holds the tensors the op running now packed (those
-   that do not require grad: buffers; never activations) and, when the forward ends, checks
-   whether the last op wrote one of them after packing it (``last_op_writes_saved``). Only
-   such frames replay under a dispatch mode (``_StopAfterWriter``) that sees each op: once
-   every tensor is packed, the op that writes one of the last op's packed tensors runs, then
-   the replay ends; any other op ends it before running.
+6. Early stop ends the replay once the last saved tensor exists, at a point the program
+   fixes, never a clock: what a replay runs, keeps and raises must not depend on how long
+   anything took. The stop is torch's: the replay's pack hook raises in the pack of the last
+   saved tensor, so the replay runs exactly the ops torch's would. One exception keeps ckptfx
+   exact where torch is not: an op may save a buffer and fill it afterwards
+   (``rrelu_with_noise`` packs its ``noise`` before writing it), so the op that packed the
+   last tensors may have to finish first. Which op that is comes from the forward: autograd
+   numbers the nodes it makes, and every pack of one op reads the same next number, so the
+   frame knows where the packs of its last saving op start (``last_op_first``). The replay
+   pushes a dispatch mode (``_LastOpWatch``) at that boundary, before the last op
+   dispatches (a mode pushed later would miss it): if the op ran before its last pack (the
+   last tensors are its outputs), the pack hook stops as torch does; if the last tensors are
+   its inputs, the op reaches the watch next, which runs it only when it writes one of them
+   and then stops. The watch sees only the few ops after the second-to-last saving op.
 7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
    a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
    and checks are the frame's.
