@@ -116,6 +116,13 @@ class _LastOpWatch(_compat.TorchDispatchMode):
         super().__init__()
         self.rec = rec
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # A compiled function the block calls inside the watch's window runs its compiled
+        # code, as in the forward: torch.compile would otherwise run it eagerly under this
+        # mode, with other numerics and other saved tensors.
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         rec = self.rec
         kwargs = kwargs or {}

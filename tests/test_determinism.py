@@ -291,3 +291,23 @@ def test_handles_listed_in_the_order_forwards_started() -> None:
         kept = ckptfx.checkpoint(leaf, x)
     assert [h.frame.fn for h in handles] == [leaf]
     del kept
+
+
+@pytest.mark.parametrize("last", [True, False], ids=["compiled-last", "compiled-then-sin"])
+def test_compiled_function_inside_a_checkpoint_replays_exactly(last: bool) -> None:
+    """A block that calls a compiled function (whose first forward, counting its compile,
+    is long) replays the compiled code, bitwise; the stop never runs it under a mode that
+    makes dynamo fall back to eager."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    compiled = torch.compile(lambda t: torch.tanh(lin(t)) * 2, backend="aot_eager")
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        y = compiled(x)
+        return y if last else y.sin()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    g_plain = torch.autograd.grad(block(x).sum(), [x, *lin.parameters()])
+    for early_stop in (True, False):
+        out = ckptfx.checkpoint(block, x, early_stop=early_stop)
+        assert_bitwise(torch.autograd.grad(out.sum(), [x, *lin.parameters()]), g_plain)
