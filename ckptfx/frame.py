@@ -37,12 +37,14 @@ Rules (the invariants the code below keeps; read these before changing it)
    (``rrelu_with_noise`` packs its ``noise`` before writing it), so the op that packed the
    last tensors may have to finish first. Which op that is comes from the forward: autograd
    numbers the nodes it makes, and every pack of one op reads the same next number, so the
-   frame knows where the packs of its last saving op start (``last_op_first``). The replay
-   pushes a dispatch mode (``_LastOpWatch``) at that boundary, before the last op
-   dispatches (a mode pushed later would miss it): if the op ran before its last pack (the
-   last tensors are its outputs), the pack hook stops as torch does; if the last tensors are
-   its inputs, the op reaches the watch next, which runs it only when it writes one of them
-   and then stops. The watch sees only the few ops after the second-to-last saving op.
+   frame knows where the packs of its last saving op start (``last_op_first``) and how many
+   nodes were made since the saving op before it. The replay pushes a dispatch mode
+   (``_LastOpWatch``) at that boundary, before the last op dispatches (a mode pushed later
+   would miss it), and knows the last op when it reaches the watch by the nodes made so far.
+   If the last op ran before its last pack (the last tensors are its outputs), the pack hook
+   stops as torch does; if the last tensors are its inputs, the op reaches the watch next,
+   which runs it only when it writes one of them, then stops. The watch sees only the ops
+   between the last two saving ops, and torch.compile ignores it.
 7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
    a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
    and checks are the frame's.
@@ -129,8 +131,8 @@ class _LastOpWatch(_compat.TorchDispatchMode):
         if rec.last_op_ran is None:  # the pack hook's own detach
             return func(*args, **kwargs)
         if rec.count < rec.stop_at:
-            if rec.count > rec.last_op_first:  # the last op runs; its outputs pack next
-                rec.last_op_ran = True
+            if _compat.next_sequence_nr() == rec.last_op_seq:
+                rec.last_op_ran = True  # the last op itself: its outputs pack next
             return func(*args, **kwargs)
         # Every tensor is packed and the op at hand is the one that packed the last ones.
         if _writes_one_of(func, args, kwargs, rec.last_op_packs):
@@ -173,7 +175,8 @@ class Frame:
     __slots__ = (
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
         "recompute_ctx", "debug", "replays", "active", "session",
-        "forward_done", "ignore_count", "shared", "op_seq", "last_op_first", "__weakref__",
+        "forward_done", "ignore_count", "shared", "op_seq", "prev_op_seq", "last_op_first",
+        "__weakref__",
     )
 
     def __init__(
@@ -208,9 +211,10 @@ class Frame:
         self.active: Any = None  # bound by session.py; read by unpack_hook
         self.session: Any = None  # the one session registered on this frame, if any
         self.forward_done = False
-        # Rule 6: the autograd sequence number the packs of the op running now see, and the
-        # position of the first tensor the last op that saved anything packed.
-        self.op_seq = -1
+        # Rule 6: the autograd sequence number the packs of the last saving op saw, the one
+        # of the saving op before it (or the block's start), and the position of the last
+        # saving op's first pack.
+        self.op_seq = self.prev_op_seq = _compat.next_sequence_nr()
         self.last_op_first = 0
         self.ignore_count = False
         # Positions whose replayed tensor aliases an input or a parameter (costs no memory),
@@ -231,7 +235,7 @@ class Frame:
         """At each pack of the forward: note where the packs of a new op start (Rule 6)."""
         seq = _compat.next_sequence_nr()
         if seq != self.op_seq:
-            self.op_seq = seq
+            self.prev_op_seq, self.op_seq = self.op_seq, seq
             self.last_op_first = position
 
     def forward_finished(self) -> None:
@@ -352,8 +356,9 @@ def _take(replay: Replay, index: int, retain: bool, act: Any) -> torch.Tensor:
 class _Recorder:
     """Pack hook of a replay: files each saved tensor at its position and checks it."""
 
-    __slots__ = ("frame", "tensors", "count", "stop_at", "last_op_first", "watch",
-                 "last_op_ran", "last_op_packs", "task", "probe", "input_ids", "mismatched")
+    __slots__ = ("frame", "tensors", "count", "stop_at", "last_op_first", "last_op_seq",
+                 "watch", "last_op_ran", "last_op_packs", "task", "probe", "input_ids",
+                 "mismatched")
 
     def __init__(self, frame: Frame, tensors: Replay, inputs: list[Any]) -> None:
         self.frame = frame
@@ -363,6 +368,7 @@ class _Recorder:
         self.stop_at = n if frame.early_stop and n else -1
         # Rule 6: from the pack at this position on, _LastOpWatch sees the replay's ops.
         self.last_op_first = frame.last_op_first if self.stop_at > 0 else -1
+        self.last_op_seq = -1  # the sequence number the last op's packs see (set by arm)
         self.watch: _LastOpWatch | None = None
         self.last_op_ran = False
         self.last_op_packs: set[int] = set()
@@ -384,6 +390,10 @@ class _Recorder:
 
     def arm(self) -> None:
         if _compat.current_graph_task_id() == self.task:
+            # The nodes the forward made from here to its last saving op: the last op is
+            # the one dispatched once the replay has made as many.
+            frame = self.frame
+            self.last_op_seq = _compat.next_sequence_nr() + frame.op_seq - frame.prev_op_seq
             self.watch = _LastOpWatch(self)
             self.watch.__enter__()
 
@@ -405,9 +415,9 @@ class _Recorder:
             self.last_op_packs.add(id(x))
         if x.requires_grad:
             if watching:
-                self.last_op_ran = None  # this detach is not an op of the block
-                x = x.detach()
-                self.last_op_ran = False
+                ran, self.last_op_ran = self.last_op_ran, None  # the watch lets this pass:
+                x = x.detach()                                 # not an op of the block
+                self.last_op_ran = ran
             else:
                 x = x.detach()
         self.count = i + 1

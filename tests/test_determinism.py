@@ -311,3 +311,25 @@ def test_compiled_function_inside_a_checkpoint_replays_exactly(last: bool) -> No
     for early_stop in (True, False):
         out = ckptfx.checkpoint(block, x, early_stop=early_stop)
         assert_bitwise(torch.autograd.grad(out.sum(), [x, *lin.parameters()]), g_plain)
+
+
+def test_stop_in_the_pack_of_an_output_even_when_the_last_op_saves_several() -> None:
+    """The last saving op packs an input, runs, then packs its output (sigmoid saves its
+    result after x was packed by...): the stop is in the output's pack, as torch's, so no
+    Python code of the block after that op runs in the replay."""
+    after = [0]
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = torch.addcmul(x, x, w)  # saves x and w (inputs), its output is not saved
+        y = torch.sigmoid(h * w)    # mul saves h and w; sigmoid saves its output
+        after[0] += 1
+        return y * 3
+
+    x = torch.randn(4, requires_grad=True)
+    w = torch.randn(4, requires_grad=True)
+    g_plain = torch.autograd.grad(block(x, w).sum(), [x, w])
+    for variant in ("ckptfx", "torch"):
+        after[0] = 0
+        out = run_variant(variant, block, x, w)
+        assert_bitwise(torch.autograd.grad(out.sum(), [x, w]), g_plain)
+        assert after[0] == 1, variant  # the forward only
