@@ -198,12 +198,22 @@ class _CheckpointedModule:
     _ckptfx_options: dict[str, Any]
     _ckptfx_original_class: type
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The generated class cannot be found by name; the original one can, and the
+        # subclass is made again from it (torch.save(model) / torch.load, pickle).
+        return (_new_checkpointed, (self._ckptfx_original_class,), self.__getstate__())
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self._ckptfx_original_class.forward.__get__(self)
         options = self._ckptfx_options
         if _compat.is_compiling():
             return torch_fallback(inner, args, kwargs, **options)
         return run_checkpointed(inner, args, kwargs, **options)
+
+
+def _new_checkpointed(cls: type) -> Any:
+    """Unpickling: a bare instance of ``cls``'s checkpointed subclass (state comes next)."""
+    return object.__new__(_wrapped_class(cls))
 
 
 def _wrapped_class(cls: type) -> type:

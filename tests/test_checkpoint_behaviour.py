@@ -252,3 +252,31 @@ def test_no_leak_after_graph_freed(retain_graph: bool) -> None:
     gc.collect()
     assert frame() is None
     assert handles[0].frame is None
+
+
+def test_checkpoint_wrapper_survives_torch_save_and_load() -> None:
+    """torch.save(model) pickles the module by its class; the generated checkpointed class is
+    made again from the original one on load, with its options, parameters and behaviour."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
+    ckptfx.checkpoint_wrapper(model[0], early_stop=False)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (loaded, copy.deepcopy(model)):
+        assert type(other[0]) is type(model[0]) and isinstance(other[0], nn.Linear)
+        assert other[0]._ckptfx_options == {"early_stop": False}
+        assert other.state_dict().keys() == model.state_dict().keys()
+        calls = []
+        other[0].register_forward_hook(lambda *a: calls.append(1))
+        x = torch.randn(3, 4, requires_grad=True)
+        g = torch.autograd.grad(other(x).sum(), [x, *other.parameters()])
+        x2 = x.detach().requires_grad_()
+        g_ref = torch.autograd.grad(model(x2).sum(), [x2, *model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
+        assert calls == [1]
