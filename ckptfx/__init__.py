@@ -6,7 +6,7 @@ Public names only; each lives in the module named after its idea (see DESIGN.md)
 from . import _compat
 from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
 from .frame import CheckpointError
-from .policies import Offload, checkpoint_name, checkpoint_policies
+from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
 from .remat import remat
 from .residuals import Residual, print_saved_residuals, saved_residuals
 from .session import (
@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointError",
     "Offload",
     "Residual",
+    "UnusedNameWarning",
     "checkpoint_name",
     "checkpoint_policies",
     "print_saved_residuals",

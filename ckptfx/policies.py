@@ -15,6 +15,12 @@ A policy only *permits* saving: an output the backward never reads is never kept
 tagged with ``checkpoint_name(x, name)`` reach ckptfx's own policies as the op
 ``checkpoint_name`` with ``name=`` in kwargs; foreign (torch) policies never see that op.
 
+Bad input fails where it is written, in the style of torch's messages (what, which argument,
+what to write instead): a bare string or a non-string where names go (a ``TypeError``: the
+string would be read as the names of its letters), an un-called factory or a policy class
+where a policy goes. A name-based policy whose names a block never uses warns once per
+remat'd function (``UnusedNameWarning``), as JAX users asked for.
+
 The names and meanings follow ``jax.checkpoint_policies``. "Dots" are the matrix products:
 ``mm``, ``addmm``, ``mv``, ``addmv``, ``dot`` and ``vdot`` (no batch dimensions), ``bmm``,
 ``baddbmm`` and ``addbmm`` (batch dimensions), and convolutions. ``matmul``, ``linear`` and
@@ -26,8 +32,10 @@ dots.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
-from typing import Any, Callable, Union
+import warnings
+from typing import Any, Callable, Iterable, Union
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -35,6 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 __all__ = [
     "Offload",
     "Policy",
+    "UnusedNameWarning",
     "checkpoint_name",
     "checkpoint_policies",
     "decide",
@@ -111,7 +120,9 @@ def checkpoint_name(x: Any, name: str) -> Any:
 
     An identity: outside a ``remat`` forward it returns ``x`` itself. Inside one, the
     value becomes visible to ``save_only_these_names`` and friends, and a saved residual
-    is reported as ``named 'name' at file:line``.
+    is reported as ``named 'name' at file:line``. A name-based policy naming a value that
+    no ``checkpoint_name`` of the block's forward uses gets one ``ckptfx.UnusedNameWarning``
+    per remat'd function (see ``remat``).
 
     Example::
 
@@ -125,7 +136,12 @@ def checkpoint_name(x: Any, name: str) -> Any:
     from .trace import active_tracer  # the kernel-free tracer; imported late to avoid a cycle
 
     tracer = active_tracer()
-    if tracer is None or not isinstance(x, torch.Tensor):
+    if tracer is None:
+        return x
+    scopes = _name_scopes.stack
+    if scopes:
+        scopes[-1].saw(name)
+    if not isinstance(x, torch.Tensor):
         return x
     return tracer.name(x, name)
 
@@ -135,6 +151,11 @@ class Policy:
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         raise NotImplementedError
+
+    def referenced_names(self) -> frozenset[str]:
+        """The ``checkpoint_name`` names this policy decides about (empty for policies that
+        do not look at names); ``remat`` warns once per block about those it never sees."""
+        return frozenset()
 
 
 def _name_of(op: Any, kwargs: dict[str, Any]) -> str | None:
@@ -176,8 +197,14 @@ class SaveOnlyTheseNames(Policy):
 
     names: frozenset[str]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", _name_set(self.names, "names", type(self).__name__))
+
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         return _name_of(op, kwargs) in self.names
+
+    def referenced_names(self) -> frozenset[str]:
+        return self.names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +213,15 @@ class SaveAnyNamesButThese(Policy):
 
     names: frozenset[str]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", _name_set(self.names, "names", type(self).__name__))
+
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         name = _name_of(op, kwargs)
         return name is not None and name not in self.names
+
+    def referenced_names(self) -> frozenset[str]:
+        return self.names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +230,13 @@ class SaveFromBothPolicies(Policy):
 
     first: Callable[..., Any]
     second: Callable[..., Any]
+
+    def __post_init__(self) -> None:
+        _check_policy(self.first, "policy_1")
+        _check_policy(self.second, "policy_2")
+
+    def referenced_names(self) -> frozenset[str]:
+        return referenced_names(self.first) | referenced_names(self.second)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         a = call_policy(self.first, ctx, op, args, kwargs)
@@ -217,6 +257,13 @@ class SaveAndOffloadOnlyTheseNames(Policy):
     offload: Offload
 
     def __post_init__(self) -> None:
+        where = type(self).__name__
+        for field in ("names_which_can_be_saved", "names_which_can_be_offloaded"):
+            object.__setattr__(self, field, _name_set(getattr(self, field), field, where))
+        if not isinstance(self.offload, Offload):
+            raise TypeError(
+                f"{where}: offload must be a ckptfx Offload, got {type(self.offload).__name__}"
+            )
         both = self.names_which_can_be_saved & self.names_which_can_be_offloaded
         if both:
             raise ValueError(
@@ -231,6 +278,9 @@ class SaveAndOffloadOnlyTheseNames(Policy):
         if name in self.names_which_can_be_offloaded:
             return self.offload
         return False
+
+    def referenced_names(self) -> frozenset[str]:
+        return self.names_which_can_be_saved | self.names_which_can_be_offloaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,49 +301,285 @@ def call_policy(policy: Callable[..., Any], ctx: Any, op: Any, args: tuple,
     return decide(policy(ctx, op, *args, **kwargs), op)
 
 
-def _names(names: tuple[Any, ...], arg: str) -> frozenset[str]:
-    for n in names:
+def _name_set(value: Any, arg: str, where: str) -> frozenset[str]:
+    """``value`` (an iterable of strings) as a frozenset; a ``TypeError`` naming ``arg`` for
+    a bare string (which would be read as its letters), a non-iterable or a non-string item."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"{where}: {arg} must be a collection of names (strings), got the "
+            f"{type(value).__name__} {value!r}, which would be read as the names of its "
+            f"letters; write {arg}=[{value!r}]"
+        )
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"{where}: {arg} must be a collection of names (a list, tuple or set of strings), "
+            f"got {type(value).__name__} {value!r}"
+        ) from None
+    for n in items:
         if not isinstance(n, str):
-            raise TypeError(f"{arg} must be strings, got {type(n).__name__} {n!r}")
+            raise TypeError(
+                f"{where}: {arg} must contain only names (strings, as given to "
+                f"ckptfx.checkpoint_name), got {type(n).__name__} {n!r}"
+            )
+    return frozenset(items)
+
+
+def _star_names(names: tuple[Any, ...], where: str) -> frozenset[str]:
+    """The ``*names`` of ``save_only_these_names`` / ``save_any_names_but_these``."""
+    for n in names:
+        if isinstance(n, str):
+            continue
+        if isinstance(n, (list, tuple, set, frozenset)):
+            raise TypeError(
+                f"{where} takes each name as its own argument, as in JAX "
+                f"({where}('attn', 'mlp')), got a {type(n).__name__} {n!r}; "
+                f"unpack it: {where}(*names)"
+            )
+        raise TypeError(
+            f"{where}: names must be strings (as given to ckptfx.checkpoint_name), got "
+            f"{type(n).__name__} {n!r}"
+        )
     return frozenset(names)
 
 
 def _check_policy(p: Any, arg: str) -> Callable[..., Any]:
+    """``p`` if it is a policy; otherwise a ``TypeError`` saying what to write instead."""
+    hint = _factory_call(p)
+    if hint is not None:
+        raise TypeError(
+            f"{arg}=checkpoint_policies.{p.__name__} is a policy factory, not a policy: call "
+            f"it, e.g. {arg}=checkpoint_policies.{hint}"
+        )
+    if isinstance(p, type) and issubclass(p, Policy):
+        raise TypeError(
+            f"{arg}={p.__name__} is a policy class, not a policy: pass an instance, "
+            f"e.g. {arg}={p.__name__}(...), or a checkpoint_policies value"
+        )
     if not callable(p):
-        raise TypeError(f"{arg} must be a policy (callable), got {type(p).__name__}")
+        raise TypeError(
+            f"{arg} must be a checkpoint policy (a ckptfx.checkpoint_policies value or a "
+            f"torch selective-checkpoint policy function), got {type(p).__name__}"
+        )
     return p
 
 
+def check_policy(p: Any, arg: str = "policy") -> Callable[..., Any]:
+    """Validate a policy argument (used by ``remat``): ``TypeError`` for an un-called
+    factory, a policy class, or something not callable."""
+    return _check_policy(p, arg)
+
+
+def is_policy_like(p: Any) -> bool:
+    """True for a ckptfx policy, a policy class or an un-called policy factory: what
+    ``remat(p)`` receives when the policy is passed where the function goes."""
+    return (isinstance(p, Policy) or _factory_call(p) is not None
+            or (isinstance(p, type) and issubclass(p, Policy)))
+
+
+def positional_policy_message(p: Any) -> str:
+    """What ``remat(p)`` says when ``p`` (policy-like) is passed where the function goes."""
+    head = "remat's first argument is the function to rematerialize, got the policy"
+    hint = _factory_call(p)
+    if hint is not None:
+        return (f"{head} factory checkpoint_policies.{p.__name__}; call it and pass the "
+                f"result by keyword: @remat(policy=checkpoint_policies.{hint}), or "
+                f"remat(fun, policy=checkpoint_policies.{hint})")
+    if isinstance(p, type):
+        return (f"{head} class {p.__name__}; pass an instance by keyword: "
+                f"remat(fun, policy={p.__name__}(...))")
+    shown = describe_policy(p)
+    return (f"{head} {shown}; pass the policy by keyword: @remat(policy={shown}), or "
+            f"remat(fun, policy={shown})")
+
+
+def describe_policy(p: Any) -> str:
+    """How a user wrote ``p``: ``checkpoint_policies.dots_saveable``,
+    ``save_only_these_names('attn')``; else its ``__name__`` or repr."""
+    for name, value in vars(checkpoint_policies).items():
+        if value is p:
+            return f"checkpoint_policies.{name}"
+    if isinstance(p, (SaveOnlyTheseNames, SaveAnyNamesButThese)):
+        factory = ("save_only_these_names" if isinstance(p, SaveOnlyTheseNames)
+                   else "save_any_names_but_these")
+        return f"{factory}({', '.join(map(repr, sorted(p.names)))})"
+    if isinstance(p, SaveAndOffloadOnlyTheseNames):
+        return ("save_and_offload_only_these_names(names_which_can_be_saved="
+                f"{sorted(p.names_which_can_be_saved)}, names_which_can_be_offloaded="
+                f"{sorted(p.names_which_can_be_offloaded)})")
+    if isinstance(p, SaveFromBothPolicies):
+        return (f"save_from_both_policies({describe_policy(p.first)}, "
+                f"{describe_policy(p.second)})")
+    return getattr(p, "__name__", None) or repr(p)
+
+
+def referenced_names(policy: Any) -> frozenset[str]:
+    """The names a policy decides about (empty for foreign policies and ``None``)."""
+    if isinstance(policy, Policy):
+        return policy.referenced_names()
+    return frozenset()
+
+
 def save_only_these_names(*names: str) -> Policy:
-    return SaveOnlyTheseNames(_names(names, "names"))
+    """Save only the values tagged with one of ``names`` by ``checkpoint_name``; recompute
+    everything else. Names are separate arguments, as in JAX:
+    ``save_only_these_names("attn", "mlp")`` (``*names`` for a list). A bare list, or a
+    name that is not a string, is a ``TypeError``. ``remat`` warns once per block
+    (``UnusedNameWarning``) about names no ``checkpoint_name`` in the block uses."""
+    return SaveOnlyTheseNames(_star_names(names, "save_only_these_names"))
 
 
 def save_any_names_but_these(*names: str) -> Policy:
-    return SaveAnyNamesButThese(_names(names, "names"))
+    """Save every value tagged by ``checkpoint_name`` except those named in ``names``
+    (separate string arguments, as in ``save_only_these_names``); recompute untagged
+    values."""
+    return SaveAnyNamesButThese(_star_names(names, "save_any_names_but_these"))
 
 
 def save_from_both_policies(policy_1: Callable[..., Any], policy_2: Callable[..., Any]) -> Policy:
+    """Save what either policy saves. Each argument is a policy (not a factory: write
+    ``save_only_these_names("attn")``, not ``save_only_these_names``)."""
     return SaveFromBothPolicies(_check_policy(policy_1, "policy_1"),
                                 _check_policy(policy_2, "policy_2"))
 
 
 def save_and_offload_only_these_names(
     *,
-    names_which_can_be_saved: Any,
-    names_which_can_be_offloaded: Any,
+    names_which_can_be_saved: Iterable[str],
+    names_which_can_be_offloaded: Iterable[str],
     offload_src: str = "device",
     offload_dst: str = "pinned_host",
 ) -> Policy:
+    """Save the values named in ``names_which_can_be_saved``, offload to host memory those
+    named in ``names_which_can_be_offloaded``, recompute the rest. Both are collections of
+    strings (``["attn"]``); a bare string would be read as its letters and is a
+    ``TypeError``, as are non-iterables and non-string items."""
+    where = "save_and_offload_only_these_names"
     return SaveAndOffloadOnlyTheseNames(
-        _names(tuple(names_which_can_be_saved), "names_which_can_be_saved"),
-        _names(tuple(names_which_can_be_offloaded), "names_which_can_be_offloaded"),
+        _name_set(names_which_can_be_saved, "names_which_can_be_saved", where),
+        _name_set(names_which_can_be_offloaded, "names_which_can_be_offloaded", where),
         Offload(offload_src, offload_dst),
     )
 
 
 def offload_dot_with_no_batch_dims(offload_src: str = "device",
                                    offload_dst: str = "pinned_host") -> Policy:
+    """Offload the outputs of matrix products without batch dimensions to host memory."""
     return OffloadDotWithNoBatchDims(Offload(offload_src, offload_dst))
+
+
+# Each factory, with the call to write instead of passing it un-called.
+_FACTORY_CALLS: dict[Callable[..., Any], str] = {
+    save_only_these_names: "save_only_these_names('attn_out')",
+    save_any_names_but_these: "save_any_names_but_these('attn_out')",
+    save_from_both_policies: "save_from_both_policies(checkpoint_policies.dots_saveable, "
+                             "checkpoint_policies.save_only_these_names('attn_out'))",
+    save_and_offload_only_these_names: "save_and_offload_only_these_names("
+                                       "names_which_can_be_saved=['attn_out'], "
+                                       "names_which_can_be_offloaded=[])",
+    offload_dot_with_no_batch_dims: "offload_dot_with_no_batch_dims()",
+}
+
+
+def _factory_call(p: Any) -> str | None:
+    for factory, call in _FACTORY_CALLS.items():
+        if p is factory:
+            return call
+    return None
+
+
+# -- names no checkpoint_name uses (UnusedNameWarning) -----------------------------------------
+
+
+class UnusedNameWarning(UserWarning):
+    """A name-based policy of a ``remat``'d block names values that no ``checkpoint_name``
+    in the block's forward uses, so those names save nothing (a typo, or a name from another
+    block). Issued once per remat'd function."""
+
+
+class _NameScopes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[NameScope] = []
+
+
+_name_scopes = _NameScopes()
+
+
+class NameScope:
+    """The names ``checkpoint_name`` used in one forward of one remat'd block.
+
+    ``depth`` is the number of tracers active when the block started: the block's own
+    tracer is the next one, and a ``checkpoint_name`` seen under a deeper tracer belongs to
+    a block nested inside (which has its own policy).
+    """
+
+    __slots__ = ("depth", "seen")
+
+    def __init__(self) -> None:
+        from .trace import _stack  # the kernel-free tracer stack; imported late (cycle)
+
+        self.depth = len(_stack.tracers)
+        self.seen: set[str] = set()
+
+    def saw(self, name: str) -> None:
+        from .trace import _stack
+
+        if len(_stack.tracers) == self.depth + 1:
+            self.seen.add(name)
+
+
+class NameCheck:
+    """Per remat'd function: warn once if a forward leaves some policy names unused."""
+
+    __slots__ = ("names", "policy", "done")
+
+    def __init__(self, names: frozenset[str], policy: Any) -> None:
+        self.names = names
+        self.policy = policy
+        self.done = False
+
+    def open(self) -> NameScope:
+        scope = NameScope()
+        _name_scopes.stack.append(scope)
+        return scope
+
+    def close(self, scope: NameScope) -> None:
+        stack = _name_scopes.stack
+        if stack and stack[-1] is scope:
+            stack.pop()
+        elif scope in stack:  # never expected; leave the stack consistent regardless
+            stack.remove(scope)
+
+    def finish(self, scope: NameScope, fun: Callable[..., Any]) -> None:
+        """After the first forward that completed: warn about the names it did not use."""
+        if self.done:
+            return
+        self.done = True
+        unused = self.names - scope.seen
+        if not unused:
+            return
+        code = getattr(fun, "__code__", None)
+        where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        block = getattr(fun, "__qualname__", None) or type(fun).__name__
+        used = f"; the names it used: {sorted(scope.seen)}" if scope.seen else (
+            "; it used no checkpoint_name at all")
+        warnings.warn(
+            f"ckptfx.remat: the policy {describe_policy(self.policy)} of block {block}{where} "
+            f"names {sorted(unused)}, but no ckptfx.checkpoint_name in the block's forward "
+            f"used {'this name' if len(unused) == 1 else 'these names'}, so "
+            f"{'it has' if len(unused) == 1 else 'they have'} no effect{used}. Check the "
+            "spelling, or tag the value: ckptfx.checkpoint_name(x, name). "
+            "(Warned once per remat'd function.)",
+            UnusedNameWarning,
+            stacklevel=4,
+        )
+
+
+def name_check(policy: Any) -> NameCheck | None:
+    """A ``NameCheck`` for a policy that refers to names, else None (nothing to check)."""
+    names = referenced_names(policy)
+    return NameCheck(names, policy) if names else None
 
 
 everything_saveable = EverythingSaveable()

@@ -25,7 +25,14 @@ import torch
 from . import _compat
 from .frame import Frame, refuse_new_frame_in_scheduled_replay
 from .func import call_function_path
-from .policies import NothingSaveable
+from .policies import (
+    NameCheck,
+    NothingSaveable,
+    check_policy,
+    is_policy_like,
+    name_check,
+    positional_policy_message,
+)
 from .session import collect, uncollect
 from .trace import Tracer, reporting, residual_unpack_hook
 
@@ -68,6 +75,17 @@ def remat(
         static_argnums / static_argnames: positional indices / keyword names of arguments
             that are Python values baked into the recording (never tensors).
 
+    Bad input is refused at once, with what to write instead: a policy passed where the
+    function goes (``remat(cp.dots_saveable)``: write ``remat(policy=cp.dots_saveable)``)
+    and an un-called policy factory (``policy=cp.save_only_these_names``: call it with the
+    names) are a ``TypeError``.
+
+    With a name-based policy (``save_only_these_names`` and friends), the first forward of
+    the block that completes with grad enabled checks the policy's names against those its
+    ``checkpoint_name`` calls used (those of blocks nested inside, which have their own
+    policy, do not count): names it did not use have no effect, and are reported in one
+    ``ckptfx.UnusedNameWarning`` per remat'd function (later calls are not checked).
+
     Example::
 
         import ckptfx
@@ -82,10 +100,10 @@ def remat(
         loss.backward()                      # relu recomputed from the kept matmul output
         ckptfx.print_saved_residuals(block, params, x)
     """
-    if policy is not None and not callable(policy):
-        raise TypeError(
-            f"policy must be a checkpoint policy (a callable) or None, got {type(policy).__name__}"
-        )
+    if fun is not None and is_policy_like(fun):
+        raise TypeError(positional_policy_message(fun))
+    if policy is not None:
+        check_policy(policy, "policy")
     if not isinstance(early_stop, bool):
         raise TypeError(f"early_stop must be a bool, got {type(early_stop).__name__}")
     nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
@@ -109,9 +127,11 @@ def _decorate(fun: F, *, options: RematOptions) -> F:
         raise TypeError(f"remat needs a callable, got {type(fun).__name__}")
     _check_static_against_signature(fun, options)
 
+    names = name_check(options.policy)
+
     @functools.wraps(fun)
     def remat_call(*args: Any, **kwargs: Any) -> Any:
-        return call(fun, options, args, kwargs)
+        return call(fun, options, args, kwargs, names)
 
     remat_call.__ckptfx_remat__ = (fun, options)  # type: ignore[attr-defined]
     return remat_call  # type: ignore[return-value]
@@ -226,8 +246,24 @@ def _no_statics(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[tuple[Any, ...],
 
 
 def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
-         kwargs: dict[str, Any]) -> Any:
-    """One remat call: flatten, trace under a new frame, return the outputs."""
+         kwargs: dict[str, Any], names: NameCheck | None = None) -> Any:
+    """One remat call: flatten, trace under a new frame, return the outputs.
+
+    ``names`` (the remat'd function's unused-name check) watches the ``checkpoint_name``
+    calls of this forward until one forward has completed, then warns once if needed."""
+    if names is None or names.done or not torch.is_grad_enabled():
+        return _call(fun, options, args, kwargs)
+    scope = names.open()
+    try:
+        out = _call(fun, options, args, kwargs)
+    finally:
+        names.close(scope)
+    names.finish(scope, fun)
+    return out
+
+
+def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> Any:
     if not torch.is_grad_enabled():
         if options.static_argnums or options.static_argnames:
             _split_static(options, args, kwargs)  # bad static arguments raise all the same

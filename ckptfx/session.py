@@ -56,7 +56,7 @@ _collector: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 class Session:
     """The frames of one session id (held weakly) and whether it has been cleared."""
 
-    __slots__ = ("id", "frames", "cleared", "act", "__weakref__")
+    __slots__ = ("id", "frames", "cleared", "act", "contexts", "__weakref__")
 
     def __init__(self, session_id: Hashable) -> None:
         self.id = session_id
@@ -66,6 +66,9 @@ class Session:
         # that a frame prefired inside the context is bound at once (Rule 3): worker threads
         # cannot discover it lazily.
         self.act: "Activation | None" = None
+        # How many recompute_session_ctx are open on it (any thread): the last to close drops
+        # the session if it got no frames, so nothing empty stays listed (Rule 5).
+        self.contexts = 0
 
     def __repr__(self) -> str:
         return f"<ckptfx Session {self.id!r}: {len(self.frames)} frames>"
@@ -97,16 +100,25 @@ class RecomputeHandle:
     """An opaque reference to one checkpointed call, from ``recompute_handle_collector_ctx``.
 
     It holds its frame weakly: once the graph of that call is freed the handle is inert.
+    Handles come from the collector; constructing one around anything but a kernel
+    ``Frame`` is a ``TypeError``.
     """
 
     __slots__ = ("_frame",)
 
     def __init__(self, frame: Frame) -> None:
+        if not isinstance(frame, Frame):
+            raise TypeError(
+                "RecomputeHandle wraps a ckptfx kernel Frame, got "
+                f"{type(frame).__name__}; do not construct handles: get them from "
+                "`with ckptfx.recompute_handle_collector_ctx() as handles:` around the forward"
+            )
         self._frame = weakref.ref(frame)
 
     @property
     def frame(self) -> Frame | None:
-        return self._frame()
+        ref = getattr(self, "_frame", None)  # None for a handle made without __init__
+        return None if ref is None else ref()
 
     def __repr__(self) -> str:
         frame = self._frame()
@@ -237,7 +249,10 @@ def recompute_session_ctx(session_id: Hashable, retain_on_unpack: bool = False) 
             calls of the same session (dx, and every dw group but the last). False (default)
             hands it out and drops it: use it for the last consumer.
 
-    Sessions do not nest on one thread. Always finish with ``clear_recompute_session`` in a
+    Sessions do not nest on one thread: opening one inside another raises
+    ``CheckpointError`` and leaves neither behind. A context that ends with no frame
+    registered to its session (its body raised first, or read no checkpointed block) leaves
+    no session behind either. Always finish with ``clear_recompute_session`` in a
     ``finally``.
 
     Example (zero-bubble split of one micro-batch)::
@@ -274,8 +289,10 @@ def recompute_session_ctx(session_id: Hashable, retain_on_unpack: bool = False) 
                 _bind(frame, act)
         except BaseException:
             _unbind(session, act)
+            _drop_if_empty(session)
             raise
         session.act = act
+        session.contexts += 1
     tls.activation = act
     try:
         yield
@@ -285,6 +302,19 @@ def recompute_session_ctx(session_id: Hashable, retain_on_unpack: bool = False) 
             if session.act is act:
                 session.act = None
             _unbind(session, act)
+            session.contexts -= 1
+            _drop_if_empty(session)
+
+
+def _drop_if_empty(session: Session) -> None:
+    """Forget a session that no open context uses and that has no frames: a context whose
+    body raised before any backward (a nested context, a torch.func call) or ran a backward
+    through no checkpointed block leaves nothing in ``recompute_session_stats()``, even while
+    the exception's traceback still references the session. Marked cleared, so a stale
+    activation cannot register frames into it."""
+    if session.contexts == 0 and not session.frames and _registry.get(session.id) is session:
+        del _registry[session.id]
+        session.cleared = True
 
 
 def _unbind(session: Session, act: Activation) -> None:
@@ -308,6 +338,12 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
             f"got {type(handle).__name__}"
         )
     _check_session_id(session_id)
+    if getattr(handle, "_frame", None) is None:
+        raise ValueError(
+            "handle is a RecomputeHandle that was not made by "
+            "ckptfx.recompute_handle_collector_ctx() (it refers to no checkpointed call); "
+            "use the handles that collector yields"
+        )
     frame = handle.frame
     if frame is None:
         return

@@ -28,6 +28,13 @@ Rules
    gradients, hooks and graph, also when it raises. A dx that fails after its arguments were
    checked releases everything too; bad arguments raise before anything changes.
 
+6. The order is: split, optionally ``dx_fn.prefire()``, ``dx_fn`` once, ``dw_fn`` once. Any
+   other order (dw before dx, dx or dw twice, prefire after dx, either while the other runs,
+   anything after the session was cleared) raises ``ckptfx.CheckpointError`` (a
+   ``RuntimeError``) saying what to call instead. A misplaced call changes nothing (a dw_fn
+   called too early can still be called at the right time), except that a split whose session
+   was cleared is released at the first call that finds it so.
+
 The graph analysis follows the technique of ``torch.distributed.pipelining``'s
 ``stage_backward_input`` / ``stage_backward_weight``; the code is ckptfx's own.
 """
@@ -44,7 +51,7 @@ import optree
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .frame import tls
+from .frame import CheckpointError, tls
 from .session import (
     RecomputeHandle,
     clear_recompute_session,
@@ -451,18 +458,20 @@ class _Split:
         obj = self.session_obj
         if obj is not None and obj.cleared:
             self.release()
-            raise RuntimeError(
+            raise CheckpointError(
                 f"{self.who}: session {self.key!r} was cleared (clear_recompute_session) before "
-                "this split finished; the split is abandoned and released"
+                "this split finished; the split is abandoned and released. Make a new split "
+                "for this micro-batch, and clear its session only after its dw_fn"
             )
 
     def prefire(self) -> None:
         """Replay every checkpointed block of the forward for this split's session now."""
         with self.lock:
             if self.state != "forward":
-                raise RuntimeError(
+                raise CheckpointError(
                     f"{self.who}: prefire() must come before dx_fn; this split is past it "
-                    f"(state: {self.state})"
+                    f"(state: {self.state}). dx_fn replays what was not prefired by itself: "
+                    "drop this prefire() call, or move it before dx_fn"
                 )
             self._prefire()
 
@@ -512,7 +521,7 @@ class _Split:
     def dx(self, cotangent: Any) -> Any:
         with self.lock:
             if self.state != "forward":
-                raise RuntimeError(self._order_error("dx_fn"))
+                raise CheckpointError(self._order_error("dx_fn"))
             cots = self._check_cotangent(cotangent)
             self.state = "dx"
         try:
@@ -585,7 +594,7 @@ class _Split:
     def dw(self) -> Any:
         with self.lock:
             if self.state != "dx_done":
-                raise RuntimeError(self._order_error("dw_fn"))
+                raise CheckpointError(self._order_error("dw_fn"))
             self.state = "dw"
         try:
             self._check_not_cleared()
@@ -655,15 +664,19 @@ class _Split:
             self.release()
 
     def _order_error(self, fn: str) -> str:
-        state = self.state
+        """What a call of ``fn`` in the wrong state says (Rule 6)."""
+        state, key = self.state, self.key
         if state == "forward":
-            return f"{self.who}: dw_fn called before dx_fn for session {self.key!r}; run dx_fn first"
+            return (f"{self.who}: dw_fn called before dx_fn for session {key!r}; call "
+                    "dx_fn(cotangent) first, then dw_fn() (this split is unchanged)")
         if state in ("dx", "dw"):
-            return f"{self.who}: {fn} called while {state}_fn of session {self.key!r} is running"
+            return (f"{self.who}: {fn} called while {state}_fn of session {key!r} is running; "
+                    "the halves of one split run one at a time: call it after "
+                    f"{state}_fn returns")
         if state == "dx_done":
-            return (f"{self.who}: dx_fn already ran for session {self.key!r}; "
+            return (f"{self.who}: dx_fn already ran for session {key!r}; "
                     "call dw_fn next (dx_fn runs once per split)")
-        return (f"{self.who}: session {self.key!r} is consumed (its dw_fn ran, or it failed or "
+        return (f"{self.who}: session {key!r} is consumed (its dw_fn ran, or it failed or "
                 "was cleared, which releases it); make a new split")
 
 
@@ -736,6 +749,10 @@ def vjp_split(
     - ``dx_fn.prefire()``: replay the checkpointed blocks now, for a scheduler that wants the
       replay earlier than dx (dx_fn does it otherwise).
 
+    Any other order (``dw_fn`` before ``dx_fn``, either one twice, ``prefire`` after
+    ``dx_fn``, a call after the session was cleared) raises ``ckptfx.CheckpointError``, a
+    ``RuntimeError``, saying what to call instead.
+
     Every floating tensor among the primals is differentiated (like ``torch.func.vjp``); one
     that does not require grad is replaced by a detached alias that does. ``session`` is the
     key of the recompute session (any hashable; a fresh one when None); it must not be used by
@@ -777,6 +794,8 @@ def grad_split(
 
     Several sessions may be in flight at once (``dx(s1) dx(s2) dw(s1) dx(s3) ...``), on any
     threads. A session runs ``dx_fn`` then ``dw_fn`` once; afterwards its key may be reused.
+    ``dw_fn`` of a session with no finished ``dx_fn`` waiting, or a second ``dx_fn`` of a
+    session in flight, raises ``ckptfx.CheckpointError`` (a ``RuntimeError``).
 
     Example::
 
@@ -812,9 +831,9 @@ def grad_split(
         check_session(session, "dx_fn")
         with lock:
             if session in splits:
-                raise RuntimeError(
+                raise CheckpointError(
                     f"grad_split dx_fn: session {session!r} is already in flight; call "
-                    f"dw_fn({session!r}) before reusing it"
+                    f"dw_fn({session!r}) before reusing it, or use another session key"
                 )
             splits[session] = None  # reserved
         try:
@@ -840,14 +859,20 @@ def grad_split(
     def dw_fn(session: Hashable) -> Any:
         check_session(session, "dw_fn")
         with lock:
+            running = session in splits and splits[session] is None
             split = splits.get(session)
             if split is not None:
                 del splits[session]
-        if split is None:
-            raise RuntimeError(
+        if running:
+            raise CheckpointError(
                 f"grad_split dw_fn: no dx_fn(..., session={session!r}) is waiting for its dw_fn "
-                "(dw_fn must follow a finished dx_fn of the same session, once; this session is "
-                "unknown, still in its dx_fn, or already consumed)"
+                "yet: that dx_fn is still running; call dw_fn after it returns"
+            )
+        if split is None:
+            raise CheckpointError(
+                f"grad_split dw_fn: no dx_fn(..., session={session!r}) is waiting for its dw_fn "
+                "(this session is unknown or already consumed); call dx_fn(*args, "
+                f"session={session!r}) first: each dx_fn is followed by one dw_fn"
             )
         return split.dw()
 
