@@ -109,6 +109,25 @@ def functorch_tensor_level(t: torch.Tensor) -> int:
     return torch._C._functorch.maybe_get_level(t)
 
 
+def functorch_top_transform() -> str | None:
+    """The innermost active torch.func transform: "grad" (grad, vjp, jacrev's vjp), "jvp",
+    "vmap" or "functionalize"; None under plain autograd."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is None:
+        return None
+    return interpreter.key().name.lower()
+
+
+def functorch_unwrap_level(t: torch.Tensor, level: int) -> torch.Tensor:
+    """``t`` without its grad-transform wrapper of ``level`` (lower levels' wrappers kept)."""
+    return torch._C._functorch._unwrap_for_grad(t, level)
+
+
+def node_sequence_nr(node: Any) -> int:
+    """The autograd sequence number of a graph node (creation order on its thread)."""
+    return node._sequence_nr()
+
+
 def functorch_unwrap(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor under every functorch wrapper of ``t``."""
     while torch._C._functorch.is_functorch_wrapped_tensor(t):
