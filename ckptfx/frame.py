@@ -99,10 +99,14 @@ def refuse_new_frame_in_scheduled_replay(what: str) -> None:
     if tls.scheduled_replay:
         raise CheckpointError(
             f"ckptfx: {what} was created while a block was being replayed for a recompute "
-            "session (prefire or session backward). Nested blocks replayed by re-running "
-            "their function are not supported under scheduled recomputation in this version: "
-            "checkpoint the outer block only (a remat'd outer block replays its recorded ops "
-            "and has no such limit), or run this backward without a session."
+            "session (prefire or session backward): the outer block is replayed by re-running "
+            "its Python function (a ckptfx.checkpoint block, or a remat'd block whose "
+            "recording cannot be replayed), and nested blocks re-created there are not "
+            "supported under scheduled recomputation in this version. Checkpoint the outer "
+            "block only, make it a remat'd block whose recording replays (no tensor "
+            "subclasses, no in-place writes to its inputs or to values after autograd saved "
+            "them, no buffers filled outside the dispatcher, no autograd inside), or run this "
+            "backward without a session."
         )
 
 

@@ -25,8 +25,9 @@ off, so the kernel's frames cannot work under them. Rules:
 4. **Levels below are identities.** ``RematFunction``'s backward at an outer grad level,
    and its jvp, pass the outputs' gradients and tangents on unchanged (rule 2 recorded the
    forward there op by op).
-5. **Outside tensors.** Tensors the block reads from nn.Modules (its ``self``, modules among
-   its arguments or in its closure) become explicit inputs, so ``functional_call``
+5. **Outside tensors.** Tensors the block reads from nn.Modules (the block itself when it is
+   a module, its ``self``, modules among its arguments or in its closure) become explicit
+   inputs, so ``functional_call``
    parameters get gradients. A graph edge at the differentiated level to any other tracked
    tensor (a closure or a global; under plain autograd, one requiring grad) would lose its
    gradient: a ``CheckpointError``. Outside constants are fine.
@@ -477,9 +478,11 @@ def _find_uses(roots: list[torch.Tensor], edges: dict[tuple[int, int], Any], sta
 
 
 def modules_read_by(fun: Callable[..., Any], leaves: list[Any]) -> list[nn.Module]:
-    """The outermost nn.Modules a function can read tensors from: among its arguments' leaves,
-    its ``self``, and its closure."""
+    """The outermost nn.Modules a function can read tensors from: the function itself when it
+    is a module, among its arguments' leaves, its ``self``, and its closure."""
     found: list[nn.Module] = []
+    if isinstance(fun, nn.Module):  # remat(module): the module itself is the block
+        found.append(fun)
     for leaf in leaves:
         if isinstance(leaf, nn.Module):
             found.append(leaf)
@@ -543,8 +546,12 @@ def _differentiated_call(block: _Block, inputs: tuple[torch.Tensor, ...]
     block.keys = [None] * len(inputs)
     edges: dict[tuple[int, int], tuple[int, Any]] = {}
     first = None
+    level = block.level
     for i, t in enumerate(inputs):
-        if t.requires_grad:
+        # Tracked at this level: under a transform, a tensor wrapped at it; a plain leaf
+        # that requires grad there (a module's parameter inside torch.func.grad) belongs to
+        # plain autograd, which sees the block op by op (Rule 4).
+        if t.requires_grad and (level == 0 or _compat.functorch_tensor_level(t) >= level):
             if first is None:
                 first = t
             e = torch.autograd.graph.get_gradient_edge(t)

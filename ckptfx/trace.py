@@ -9,6 +9,14 @@ Rules
    Autograd packs an op's saved inputs before the op reaches the mode and its saved outputs
    after, so every packed tensor is already tagged, or is an input or outside tensor.
 
+1b. Some ops have autograd save an input they then fill (``rrelu_with_noise`` packs its
+   ``noise`` buffer, then writes it): the backward reads the value the op left. The packs
+   since the last op are settled when the next op dispatches: a pack of a tensor this op
+   writes, made at this op's autograd sequence number (every pack of one op reads the
+   number of the node autograd made for it; an op without a node reads its predecessor's),
+   is the op's own input, and refers to the version the op leaves. Any other pack of a value
+   later written in place is a write after a save (Rule 4).
+
 2. The policy is asked once per op; its answer belongs to the op's outputs (for an in-place
    op, to the value it rewrote; a view of a kept value is kept with it). At a pack the
    value is: an *argument* (an input, an outside tensor, or a view of one: referenced, never
@@ -38,11 +46,15 @@ Rules
 
 4. The segment is replayed only if it is shown replayable; otherwise the frame re-runs the
    Python function (the kernel's default strategy). Not replayable: a buffer from
-   ``torch.empty`` read before any recorded op wrote it (a custom kernel filled it), a write
-   to an input or outside tensor, a write to a value after it was saved, tensor subclasses,
-   or autograd running inside the block (that re-run restores explicit generators too, to
-   their state before the block's first draw). An outside tensor modified in place between
-   forward and backward is a ``CheckpointError``.
+   ``torch.empty`` read before any recorded op wrote it (a custom kernel filled it; a view
+   of it, such as the ``detach`` torch's factory adds when a reference to the new tensor is
+   held, reads nothing), a write to an input or outside tensor, a write to a value after it
+   was saved (Rule 1b), tensor subclasses, or autograd running inside the block (that
+   re-run restores explicit generators too, to their state before the block's first draw).
+   A block that is not replayable but whose live holders all stand for unwritten block
+   inputs or recorded views of them (the policy kept everything else) has nothing to
+   recompute: those are rebuilt from the saved inputs and no Python runs. An outside tensor
+   modified in place between forward and backward is a ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -200,6 +212,7 @@ class Segment:
         self.kept: dict[tuple[int, int], Callable[[], Any]] = {}  # (slot, version) -> weakref
         self.replayable = True
         self.why_not: str | None = None
+        self.subclass = False  # a tensor subclass reached the recorder
         self.last_plan: int = 0
         # Values the policy keeps because the replay (not autograd) reads them (Rule 2b):
         # single-use ones (the policy permitted the keep) and, for the graph's life, those it
@@ -219,7 +232,7 @@ class Segment:
     # The replay strategy (frame.rerun) -------------------------------------------------
 
     def replay(self, frame: Frame, tensors: Replay) -> None:
-        if not self.replayable:
+        if not self.replayable and self._needs_python(frame):
             rerun_function(frame, tensors)
             return
         targets = [(pos, sv) for pos, sv in self.targets.items()
@@ -277,6 +290,25 @@ class Segment:
         for pos, sv in targets:
             kept = available.get(sv)
             tensors[pos] = vals[sv[0]] if kept is None else kept.get()
+
+    def _needs_python(self, frame: Frame) -> bool:
+        """Rule 4: a block that is not replayable must re-run its Python function, unless
+        every live holder stands for a block input as it came in, or a view of one (all
+        else kept): then nothing needs recomputing, and the recorded view ops rebuild them
+        from the frame's saved inputs."""
+        if self.subclass:
+            return True
+        for pos, sv in self.targets.items():
+            if frame.holders[pos]() is None:
+                continue
+            slot, version = sv
+            if version or self.base[slot] in self.writers:
+                return True
+            for i in self._plan([sv], {}):
+                info = _op_info(self.ops[i].func)
+                if not info.view or info.writes or info.seeded:
+                    return True
+        return False
 
     def _release_after(self, plan: list[int], targets: list[tuple[int, tuple[int, int]]],
                        available: dict[tuple[int, int], Any]) -> list[list[Any] | None]:
@@ -420,6 +452,7 @@ _SAC_CTX = SelectiveCheckpointContext(is_recompute=False)
 
 _NONE_WRITTEN: frozenset[int] = frozenset()
 _graph_task_id = _compat.current_graph_task_id
+_next_sequence_nr = _compat.next_sequence_nr
 
 
 class Tracer(_compat.TorchDispatchMode):
@@ -440,6 +473,11 @@ class Tracer(_compat.TorchDispatchMode):
         self.ids: dict[int, int] = {}      # id of input/outside tensor -> slot
         self.uninit: set[int] = set()      # base slots from torch.empty not yet written
         self.packed_bases: set[int] = set()
+        # Packs of values since the last dispatch, settled at the next one (Rule 1b): (holder
+        # position, slot, version, tensor, autograd sequence number, kept object or None).
+        self.recent: list[tuple[int, int, int, torch.Tensor, int, Any]] = []
+        self.dispatch_seq = -1  # the autograd sequence number the last op dispatched at
+        self.refresh: list[Any] = []  # kept objects whose tensor an op just filled
         self.names: dict[int, tuple[str, str | None]] = {}
         # (slot, version) -> (tensor, its expected _version, decision): every value the policy
         # lets keep, held until ``finish`` picks those the replay reads (Rule 2b).
@@ -493,6 +531,11 @@ class Tracer(_compat.TorchDispatchMode):
                     written.add(id(v))
                 elif isinstance(v, (list, tuple)):
                     written.update(id(x) for x in v if isinstance(x, torch.Tensor))
+        if self.refresh:
+            self._refresh()
+        seq = _next_sequence_nr()
+        own = self._settle(written, seq) if self.recent else None
+        self.dispatch_seq = seq
         inputs = []
         device = None
         attr, ids, base_of, writers, uninit = self.attr, self.ids, seg.base, seg.writers, self.uninit
@@ -501,13 +544,16 @@ class Tracer(_compat.TorchDispatchMode):
                 ta = type(a)
                 if ta is not torch.Tensor and ta is not torch.nn.Parameter:
                     seg.not_replayable(f"{func} got a tensor subclass ({ta.__name__})")
+                    seg.subclass = True
                 slot = a.__dict__.get(attr)
                 if slot is None:
                     slot = ids.get(id(a))
                     if slot is None:
                         slot = self._slot(a)
                 base = base_of[slot]
-                if uninit and base in uninit and id(a) not in written:
+                # A view (torch.empty_like's detach, when a reference to the new tensor is
+                # held) reads no values.
+                if uninit and base in uninit and id(a) not in written and not info.alias:
                     seg.not_replayable(
                         f"{func} read a torch.empty buffer that no recorded op wrote (a custom "
                         "kernel or an out-of-dispatcher write filled it)")
@@ -545,6 +591,8 @@ class Tracer(_compat.TorchDispatchMode):
                                            "outside tensor")
                     if base in self.packed_bases:
                         seg.not_replayable(f"{func} writes in place to a value autograd saved")
+        if own:
+            self._own_inputs_written(own, args, kwargs)
 
         decision = None
         decisions, roots = self.decision, self.root
@@ -641,10 +689,9 @@ class Tracer(_compat.TorchDispatchMode):
             holder = Holder(frame, pos)
             frame.holders.append(weakref.ref(holder))
             seg.targets[pos] = (slot, version)
-            self.packed_bases.add(seg.base[slot])
+            self.recent.append((pos, slot, version, x, frame.op_seq, None))
             return holder
         frame.holders.append(_DEAD)
-        self.packed_bases.add(seg.base[slot])
         # A detached alias: an op that saves its own output (relu, exp, softmax) would
         # otherwise hold its node through the packed tensor, a cycle gc cannot see through
         # the C++ graph, leaking every graph that is dropped without a backward.
@@ -656,7 +703,55 @@ class Tracer(_compat.TorchDispatchMode):
             packed = _Kept(kept)
             self._note("saved", x, slot, version)
         self.seg.kept.setdefault((slot, version), weakref.ref(packed))
+        self.recent.append((pos, slot, version, x, frame.op_seq, packed))
         return packed
+
+    def _settle(self, written: Any, seq: int) -> list[tuple[Any, ...]]:
+        """At an op's dispatch, the values packed since the previous one (Rule 1b): those this
+        op writes and packed as its own inputs are returned, the others count as saved."""
+        made_node = seq != self.dispatch_seq  # autograd made a node for this op
+        own = []
+        base = self.seg.base
+        for entry in self.recent:
+            if made_node and entry[4] == seq and id(entry[3]) in written:
+                own.append(entry)
+            else:
+                self.packed_bases.add(base[entry[1]])
+        self.recent = []
+        return own
+
+    def _own_inputs_written(self, own: list[tuple[Any, ...]], args: tuple, kwargs: dict
+                            ) -> None:
+        """After an op filled buffers it had autograd save as its inputs (Rule 1b): what was
+        packed is the value the op left, so the pack refers to that version."""
+        seg = self.seg
+        for pos, slot, version, x, _, packed in own:
+            self.packed_bases.add(seg.base[slot])  # a later write is a write after the save
+            new = (slot, seg.version(slot))
+            if packed is None:
+                seg.targets[pos] = new
+                continue
+            old = (slot, version)
+            ref = seg.kept.get(old)
+            if ref is not None and ref() is packed:
+                del seg.kept[old]
+            seg.kept.setdefault(new, weakref.ref(packed))
+            report = self.report
+            if report is not None:  # saved_residuals names the op that left the value
+                for k in range(len(report) - 1, -1, -1):
+                    entry = report[k]
+                    if entry[0] is self and entry[2] is x and entry[3] == slot:
+                        report[k] = (*entry[:4], new[1])
+                        break
+            if isinstance(packed, _Offloaded) and packed.device.type != "cpu":
+                packed.tensor.copy_(x)  # moved to the host before the op filled it
+            self.refresh.append(packed)
+
+    def _refresh(self) -> None:
+        # The version counter moves on after the op returns (above the dispatcher).
+        for packed in self.refresh:
+            packed.version = packed.tensor._version
+        self.refresh = []
 
     def _argument_holder(self, x: torch.Tensor, pos: int, slot: int, root: int) -> Holder:
         # A block input (or a view of one) is filled by the replay from the frame's saved
@@ -683,6 +778,9 @@ class Tracer(_compat.TorchDispatchMode):
 
     def finish(self) -> Segment:
         """End of the forward: hand the segment to the frame as its replay strategy."""
+        if self.refresh:
+            self._refresh()
+        self.recent = []
         self._keep_what_the_replay_reads()
         self.frame.rerun = self.seg.replay
         # Replayed block inputs cost no memory of their own (for recompute_session_stats).
