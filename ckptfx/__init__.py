@@ -1,6 +1,8 @@
 """ckptfx: JAX-style rematerialization for PyTorch, with a split backward that replays once.
 
-Public names only; each lives in the module named after its idea (see DESIGN.md).
+Public names only; each lives in the module named after its idea (``ckptfx.frame``: the
+kernel, ``ckptfx.session``: scheduled recomputation, ``ckptfx.remat``, ``ckptfx.split``...),
+whose docstring opens with the rules it keeps.
 """
 
 from . import _compat

@@ -70,8 +70,10 @@ def demo() -> None:
 
 
 def residuals(policy: str) -> None:
+    from ckptfx.policies import Policy
+
     chosen = getattr(ckptfx.checkpoint_policies, policy, None)
-    if chosen is None or callable(chosen) and policy.startswith("save"):
+    if not isinstance(chosen, Policy):  # unknown, or a factory that needs arguments
         raise SystemExit(f"unknown or parametrised policy {policy!r}; try dots_saveable, "
                          "nothing_saveable, everything_saveable, dots_with_no_batch_dims_saveable")
     print(f"remat(policy={policy}) of a transformer block keeps:")
@@ -92,6 +94,8 @@ def bench(name: str, rest: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ckptfx", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version",
+                        version=f"ckptfx {ckptfx.__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="gradient parity and replay counts")
     r = sub.add_parser("residuals", help="residual report of a remat'd transformer block")
