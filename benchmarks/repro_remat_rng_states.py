@@ -1,14 +1,12 @@
-"""Repro: remat keeps one CPU generator state per random op of a block; torch's checkpoint
-(and ckptfx.checkpoint) keep one per block.
+"""Generator states held by remat, against torch's checkpoint and ckptfx.checkpoint.
 
-The recorded segment (trace.py, Rule 3) stores, for every seeded op (dropout's
-``native_dropout``, ``bernoulli_``, ...), the generator states right before it
-(``_Op.rng``: ``torch.get_rng_state()`` always, 5056 bytes for CPU's mt19937, plus the
-device's and any explicit generator's), so that a replay that skips ops still draws the
-forward's numbers. They live as long as the frame, i.e. until the block's backward freed its
-graph. A block with k dropouts therefore holds k states beside the frame's own one.
+remat replays random ops from the generator states they drew from in the forward (trace.py,
+Rule 3). It used to store the CPU state (5,056 bytes of mt19937) before every random op, 4
+per encoder block, 118.5 KiB over 6 blocks above torch's checkpoint, which keeps one state per
+block. Now the block's first CPU draw starts from the frame's start state and later draws
+continue from the random op before them (Rule 3b), so remat stores none of its own.
 
-Deterministic figures (bytes held, and the peak of allocated CPU bytes from torch's
+Deterministic figures (states stored, and the peak of allocated CPU bytes from torch's
 profiler, not resident memory):
 
     python benchmarks/repro_remat_rng_states.py
@@ -59,10 +57,14 @@ def main() -> None:
         for r in remats:
             h = r(h)
     segments = [hd.frame.rerun.__self__ for hd in handles]
-    states = [op.rng[0] for seg in segments for op in seg.ops if op.rng is not None]
-    print(f"{blocks} remat'd encoder blocks: {len(states)} generator states recorded "
-          f"({len(states) // blocks} per block, {states[0].numel()} bytes each): "
-          f"{sum(s.numel() for s in states) / 1024:.1f} KiB held until each block's backward")
+    random_ops = [op for seg in segments for op in seg.ops if op.func.is_view is False
+                  and torch.Tag.nondeterministic_seeded in op.func.tags]
+    states = [op.rng[0] for op in random_ops
+              if op.rng is not None and isinstance(op.rng[0], torch.Tensor)]
+    print(f"{blocks} remat'd encoder blocks: {len(random_ops)} random ops, "
+          f"{len(states)} generator states stored "
+          f"({sum(s.numel() for s in states) / 1024:.1f} KiB held until each block's backward; "
+          "the others replay from the block's start state or the op before them)")
     del h, handles, segments, states
 
     def step(call, retain: bool):

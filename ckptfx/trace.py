@@ -40,9 +40,17 @@ Rules
    runs only the ops it transitively needs, reading kept values where a kept (slot, version)
    is still alive instead of recomputing it, and lets go of each value after the last op
    that reads it (the forward's memory profile, not every intermediate at once). Seeded
-   random ops replay with the generator states recorded right before them (the global
-   generators' and any explicit ``generator=``'s), so skipping ops never shifts a dropout
-   mask; the caller's generators are put back after the replay.
+   random ops replay from the generator states they drew from in the forward (the global
+   generators' and any explicit ``generator=``'s; Rule 3b), so skipping ops never shifts a
+   dropout mask; the caller's generators are put back after the replay.
+
+   3b. A generator state is stored only where the replay cannot know it otherwise (a CPU
+   generator state is 5 KiB; one per dropout would make remat hold more than torch's
+   checkpoint, which keeps one per block). The block's first draw from the CPU generator
+   starts from the state the frame captured when the block began. A random op whose
+   previous draw on the same generators was one random op drawing from exactly those
+   continues from where that op left them: any replay that runs it runs that op first
+   (``Segment.rng_prev``; usually it is needed anyway, as every dropout mask is).
 
 4. The segment is replayed only if it is shown replayable; otherwise the frame re-runs the
    Python function (the kernel's default strategy). Not replayable: a buffer from
@@ -212,6 +220,9 @@ class Segment:
         self.kept: dict[tuple[int, int], Callable[[], Any]] = {}  # (slot, version) -> weakref
         self.replayable = True
         self.why_not: str | None = None
+        # Random op -> the random op before it on the same generators, for ops recorded
+        # without generator states (Rule 3b): a replay that runs one runs the other first.
+        self.rng_prev: dict[int, int] = {}
         self.subclass = False  # a tensor subclass reached the recorder
         self.last_plan: int = 0
         # Values the policy keeps because the replay (not autograd) reads them (Rule 2b):
@@ -272,8 +283,12 @@ class Segment:
                     kept = available.get((slot, version))
                     leaves[j] = vals[slot] if kept is None else kept.get()
                 args, kwargs = _unflatten(op.spec, leaves)
-                if op.rng is not None:
-                    _set_rng(op.rng)
+                rng = op.rng
+                if rng is not None:
+                    if rng is _BLOCK_START:
+                        torch.set_rng_state(frame.env.cpu_rng)
+                    else:
+                        _set_rng(rng)
                 out = op.func(*args, **kwargs)
                 if op.outs:
                     out_leaves = (out,) if type(out) is torch.Tensor else optree.tree_leaves(
@@ -354,9 +369,11 @@ class Segment:
             if version:
                 ops.append(self.writers[self.base[slot]][version - 1])
             for i in ops:
-                if i >= 0 and i not in needed:
+                # a random op recorded without its generator states needs the one before it
+                while i >= 0 and i not in needed:
                     needed.add(i)
                     stack.extend((s, v) for _, s, v in self.ops[i].inputs)
+                    i = self.rng_prev.get(i, -1)
         return sorted(needed)
 
 
@@ -383,6 +400,11 @@ def _unflatten(spec: Any, leaves: list[Any]) -> tuple[tuple, dict]:
 
 def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} {list(t.shape)}"
+
+
+# The state the CPU generator had when the block started (``frame.env.cpu_rng``).
+_BLOCK_START = ("block start",)
+_CPU_DEFAULT = frozenset({("default", "cpu", None)})
 
 
 def _rng_states(device: Any, generators: list[torch.Generator]) -> tuple[Any, ...]:
@@ -483,10 +505,39 @@ class Tracer(_compat.TorchDispatchMode):
         # lets keep, held until ``finish`` picks those the replay reads (Rule 2b).
         self.held: dict[tuple[int, int], tuple[torch.Tensor, int, Any]] = {}
         self.pinned = frame.env.device_type is not None
+        # Generator key -> the last random op that drew from it, and op -> its keys (Rule 3b).
+        self.last_draw: dict[Any, int] = {}
+        self.draw_keys: dict[int, frozenset[Any]] = {}
         for i, t in enumerate(inputs):
             if id(t) not in self.ids:
                 self.ids[id(t)] = self._new_slot(-1, None, root=True)
             seg.input_slots.append(self.ids[id(t)])
+
+    def _generator_states(self, index: int, device: Any, gens: list[torch.Generator]) -> Any:
+        """What random op ``index`` replays its generators from (Rule 3b): nothing when the
+        random op before it drew from the same generators and nothing else drew from them in
+        between (the replay runs that op first and continues from where it left them),
+        ``_BLOCK_START`` for the block's first draw from the CPU generator (the frame
+        captured that state when the block started), else the states themselves."""
+        if gens:
+            keys = frozenset(id(g) for g in gens)
+        else:
+            if isinstance(device, str):
+                device = torch.device(device)
+            dev = device if isinstance(device, torch.device) else torch.device("cpu")
+            keys = frozenset({("default", dev.type, dev.index)})
+        prev = {self.last_draw.get(k) for k in keys}
+        for k in keys:
+            self.last_draw[k] = index
+        self.draw_keys[index] = keys
+        if len(prev) == 1:
+            p = next(iter(prev))
+            if p is not None and self.draw_keys[p] == keys:
+                self.seg.rng_prev[index] = p
+                return None
+            if (p is None and keys == _CPU_DEFAULT and self.frame.env.cpu_rng is not None):
+                return _BLOCK_START
+        return _rng_states(device, gens)
 
     def _new_slot(self, producer: int, base: int | None, root: bool = False) -> int:
         seg = self.seg
@@ -571,7 +622,7 @@ class Tracer(_compat.TorchDispatchMode):
                 gens.append(kwargs["generator"])
             for g in gens:
                 self.frame.env.note_generator(g)  # for a replay that re-runs the function
-            rng = _rng_states(device or kwargs.get("device"), gens)
+            rng = self._generator_states(len(seg.ops), device or kwargs.get("device"), gens)
         out = func(*args, **kwargs)
         index = len(seg.ops)
         op = _Op(func, spec, leaves, inputs, rng,
