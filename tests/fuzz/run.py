@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # python tests/fuzz/run.py
     __package__ = "tests.fuzz"
 
 from . import harness as h  # noqa: E402
-from .known import KNOWN_FAILURES  # noqa: E402
+from .known import known_failure  # noqa: E402
 from .program import Program, generate  # noqa: E402
 
 
@@ -63,6 +63,7 @@ class Summary:
         c = self.counts()
         kinds = collections.Counter(f"{f.variant}: {f.detail[:90]}" for f in self.findings
                                     if f.category == "error" and not f.shared)
+        known = collections.Counter(f.known for f in self.findings if f.known)
         shared = collections.Counter(f.shared for f in self.findings if f.shared)
         where = collections.defaultdict(set)
         for f in self.findings:
@@ -79,15 +80,14 @@ class Summary:
         if kinds:
             lines.append("errors by kind:")
             lines += [f"  {n} x {k}" for k, n in kinds.most_common()]
+        if known:
+            lines.append("known failures (tests/fuzz/known.py): "
+                         + ", ".join(f"{k}: {n}" for k, n in sorted(known.items())))
         if shared:
             lines.append("shared with torch.utils.checkpoint (documented limit, not a failure):")
             lines += [f"  {n} x {k}\n      in: {', '.join(sorted(where[k]))}"
                       for k, n in shared.most_common()]
         return "\n".join(lines)
-
-
-def known_reason(seed: int, variant: str) -> str | None:
-    return KNOWN_FAILURES.get((seed, variant))
 
 
 def fuzz_program(seed: int, summary: Summary, shrink: bool = True, out=None,
@@ -105,7 +105,7 @@ def fuzz_program(seed: int, summary: Summary, shrink: bool = True, out=None,
         if r[0] == "invalid":
             summary.invalid += 1
             continue
-        f = Finding(seed, v.name, r[0], r[1], known=known_reason(seed, v.name))
+        f = Finding(seed, v.name, r[0], r[1], known=known_failure(prog, v.name, r[0], r[1]))
         if not f.known:
             t = h.torch_failure(v, prog)
             if t is not None and h.same_failure(r, t):
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         fuzz_program(seed, s, shrink=not a.no_shrink, out=sys.stdout)
         seed += 1
         s.seconds = time.monotonic() - t0
+    s.seconds = time.monotonic() - t0
     print("\n" + s.report())
     return 1 if s.new() else 0
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from . import harness as h
-from .known import KNOWN_FAILURES
+from .known import KNOWN
 from .program import Program, Step, generate
 from .run import Summary, fuzz_program
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-N_SEEDS = int(os.environ.get("CKPTFX_FUZZ_CI_SEEDS", 160))
-CHUNK = 40
+N_SEEDS = int(os.environ.get("CKPTFX_FUZZ_CI_SEEDS", 240))
+CHUNK = 60
 
 
 @pytest.fixture(autouse=True)
@@ -50,13 +50,12 @@ def test_fixed_seeds_are_exact(first: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "seed,variant",
-    [pytest.param(seed, v, marks=pytest.mark.xfail(strict=True, reason=reason),
-                  id=f"{seed}-{v}") for (seed, v), reason in sorted(KNOWN_FAILURES.items())],
-)
-def test_known_failure_still_fails(seed: int, variant: str) -> None:
-    r = h.check(h.VARIANTS_BY_NAME[variant], generate(seed))
-    assert r is None, r
+    "known", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=k.reason), id=k.id)
+              for k in KNOWN])
+def test_known_failure_still_fails(known) -> None:
+    """The shrunk program of each known failure; passes (XPASS, strict: red) once fixed."""
+    r = h.check(h.VARIANTS_BY_NAME[known.variant], known.program)
+    assert r is None, f"{r}\n{known.program.describe()}"
 
 
 def test_shared_limit_is_classified_not_failed() -> None:
