@@ -62,7 +62,7 @@ class Summary:
     def report(self) -> str:
         c = self.counts()
         kinds = collections.Counter(f"{f.variant}: {f.detail[:90]}" for f in self.findings
-                                    if f.category == "error" and not f.shared)
+                                    if f.category == "error" and not f.shared and not f.known)
         known = collections.Counter(f.known for f in self.findings if f.known)
         shared = collections.Counter(f.shared for f in self.findings if f.shared)
         where = collections.defaultdict(set)
