@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
+import optree
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptfx
 
@@ -119,3 +121,27 @@ def no_sessions_left() -> Iterator[None]:
     gc.collect()
     for sid in list(ckptfx.recompute_session_stats()):
         ckptfx.clear_recompute_session(sid)
+
+
+def assert_tree_bitwise(actual: Any, expected: Any) -> None:
+    """Same pytree structure, every tensor leaf equal bit for bit."""
+    a_leaves, a_spec = optree.tree_flatten(actual)
+    e_leaves, e_spec = optree.tree_flatten(expected)
+    assert a_spec == e_spec
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        assert a.dtype == e.dtype and a.shape == e.shape, f"leaf {i}: metadata differs"
+        assert torch.equal(a, e), (
+            f"leaf {i}: max abs diff {(a.double() - e.double()).abs().max().item()}")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops that run, by overload packet name (``"mm"``, ``"addmm"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -273,11 +273,13 @@ def test_handles_listed_in_the_order_forwards_started() -> None:
     x = torch.randn(4, requires_grad=True)
     with ckptfx.recompute_handle_collector_ctx() as handles:
         first = ckptfx.checkpoint(outer, x)
-        second = ckptfx.checkpoint(leaf, first)
+        outs = [first, ckptfx.checkpoint(leaf, first)]  # the graphs keep the frames alive
+    assert order == ["outer", "middle", "leaf", "leaf"]
     fns = [h.frame.fn for h in handles]
     assert fns[0] is outer and fns[1] is middle and fns[3] is leaf
     assert getattr(fns[2], "__qualname__", "").endswith("leaf")  # remat's flat wrapper
     assert len(handles) == 4
+    del outs
     # a forward that raises takes its handle back
     def failing(t: torch.Tensor) -> torch.Tensor:
         t.sin()

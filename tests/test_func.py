@@ -8,7 +8,6 @@ import gc
 import weakref
 from typing import Any, Callable
 
-import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckptfx
 import ckptfx.func as cfunc
 from ckptfx import checkpoint_policies as cp
-from conftest import Counted, maybe_autocast
+from conftest import Counted, assert_tree_bitwise, maybe_autocast
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -28,16 +27,6 @@ POLICIES = {"none": None, "nothing": cp.nothing_saveable, "dots": cp.dots_saveab
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def assert_tree_bitwise(actual: Any, expected: Any) -> None:
-    """Same pytree structure, every tensor leaf equal bit for bit."""
-    a_leaves, a_spec = optree.tree_flatten(actual)
-    e_leaves, e_spec = optree.tree_flatten(expected)
-    assert a_spec == e_spec
-    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
-        assert a.dtype == e.dtype and a.shape == e.shape, f"leaf {i}: metadata differs"
-        assert torch.equal(a, e), f"leaf {i}: max abs diff {(a - e).abs().max().item()}"
 
 
 @pytest.fixture

@@ -9,25 +9,16 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import optree
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import ckptfx
+from conftest import assert_tree_bitwise
 from ckptfx import checkpoint_policies as cp
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
-
-
-def _equal(actual: Any, expected: Any) -> None:
-    a_leaves, a_spec = optree.tree_flatten(actual)
-    e_leaves, e_spec = optree.tree_flatten(expected)
-    assert a_spec == e_spec
-    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
-        assert a.dtype == e.dtype and a.shape == e.shape, f"leaf {i}: metadata differs"
-        assert torch.equal(a, e), f"leaf {i}: max abs diff {(a.double() - e.double()).abs().max()}"
 
 
 # Each case: a block of (w, x) returning a tuple of outputs, how it is called inside the
@@ -148,7 +139,7 @@ def _compare(case: tuple, transform: str, policy: Any, seed: int, autocast: bool
         assert issubclass(actual[1], ckptfx.CheckpointError) and "randomness" in actual[2]
         return
     assert actual[0] == "ok", actual
-    _equal(actual[1:], expected[1:])  # values and the caller's RNG afterwards
+    assert_tree_bitwise(actual[1:], expected[1:])  # values and the caller's RNG afterwards
 
 
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
@@ -197,24 +188,24 @@ def test_issue12_item2_minimal_reproductions() -> None:
     torch.manual_seed(0)
     expected = jvp(f, (h,), (t,))
     torch.manual_seed(0)
-    _equal(jvp(ckptfx.remat(f), (h,), (t,)), expected)
+    assert_tree_bitwise(jvp(ckptfx.remat(f), (h,), (t,)), expected)
     q = torch.randn(3, 5, 8)
     g = lambda q: F.scaled_dot_product_attention(q, q * 0.5, q)  # noqa: E731
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _equal(jvp(ckptfx.remat(g), (q,), (q,)), jvp(g, (q,), (q,)))
+        assert_tree_bitwise(jvp(ckptfx.remat(g), (q,), (q,)), jvp(g, (q,), (q,)))
 
 
 def test_issue12_item3_minimal_reproductions() -> None:
     """Integer outputs and arguments are non-differentiable, under every transform."""
     x, idx = torch.randn(3, 4), torch.tensor([0, 2])
     f = lambda x: (x.sin(), x.argmax(-1))  # noqa: E731
-    _equal(jvp(ckptfx.remat(f), (x,), (x,)), jvp(f, (x,), (x,)))
+    assert_tree_bitwise(jvp(ckptfx.remat(f), (x,), (x,)), jvp(f, (x,), (x,)))
     g = lambda x, i: x[i].sin()  # noqa: E731
     r = ckptfx.remat(g)
     for t in (lambda f: jvp(lambda x: f(x, idx), (x,), (x,)),
               lambda f: jacfwd(lambda x: f(x, idx))(x),
               lambda f: hessian(lambda x: f(x, idx).sum())(x)):
-        _equal(t(r), t(g))
+        assert_tree_bitwise(t(r), t(g))
 
 
 def test_grad_replays_once_per_backward_with_per_use_gradients() -> None:

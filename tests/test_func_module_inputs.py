@@ -18,27 +18,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
 import pytest
 import torch
 from torch import nn
 from torch.func import functional_call, grad, jacfwd, jacrev, vjp, vmap
 
 import ckptfx
+from conftest import assert_tree_bitwise
 from ckptfx import checkpoint_policies as cp
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
 POLICIES = {"none": None, "dots": cp.dots_saveable, "everything": cp.everything_saveable}
-
-
-def assert_tree_bitwise(actual: Any, expected: Any) -> None:
-    a_leaves, a_spec = optree.tree_flatten(actual)
-    e_leaves, e_spec = optree.tree_flatten(expected)
-    assert a_spec == e_spec
-    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
-        assert a.dtype == e.dtype and a.shape == e.shape, f"leaf {i}: metadata differs"
-        assert torch.equal(a, e), f"leaf {i}: max abs diff {(a - e).abs().max().item()}"
 
 
 def _model() -> nn.Module:

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckptfx
 from ckptfx import checkpoint_policies as cp
 
-from conftest import Counted, assert_bitwise, grads, maybe_autocast
+from conftest import Counted, OpCounter, assert_bitwise, grads, maybe_autocast
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 aten = torch.ops.aten
@@ -266,19 +266,6 @@ def test_functional_call_of_module_with_remat_blocks() -> None:
 
 
 # -- replay mechanics ------------------------------------------------------------------------
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts ATen ops by overload packet name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_segment_replay_is_used_not_the_function() -> None:

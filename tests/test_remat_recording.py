@@ -27,11 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
-from conftest import assert_bitwise, grads
+from conftest import OpCounter, assert_bitwise, grads
 
 pytestmark = [
     pytest.mark.usefixtures("no_hooks_left_behind", "no_sessions_left"),
@@ -46,17 +45,6 @@ POLICIES = {
     "offload_dots": cp.offload_dot_with_no_batch_dims(),
     "names": cp.save_any_names_but_these("unused"),
 }
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def segment_of(fn: Any, *args: Any) -> tuple[Any, Any]:

@@ -6,7 +6,7 @@ Each test compares gradients bitwise (torch.equal) with the plain computation.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
