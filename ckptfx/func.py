@@ -62,7 +62,7 @@ from ._env import ReplayEnv
 from .frame import CheckpointError, tls
 from .policies import Offload, Policy, call_policy, checkpoint_name
 from ._ops import op_info as _op_info
-from .trace import _stack as _trace_stack
+from ._tracers import tracer_stack as _trace_stack
 
 __all__ = ["call_function_path"]
 

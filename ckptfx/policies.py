@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterable, Union
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ._tracers import active_tracer, tracer_stack as _stack
+
 __all__ = [
     "Offload",
     "Policy",
@@ -133,8 +135,6 @@ def checkpoint_name(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
-    from .trace import active_tracer  # the kernel-free tracer; imported late to avoid a cycle
-
     tracer = active_tracer()
     if tracer is None:
         return x
@@ -517,14 +517,10 @@ class NameScope:
     __slots__ = ("depth", "seen")
 
     def __init__(self) -> None:
-        from .trace import _stack  # the kernel-free tracer stack; imported late (cycle)
-
         self.depth = len(_stack.tracers)
         self.seen: set[str] = set()
 
     def saw(self, name: str) -> None:
-        from .trace import _stack
-
         if len(_stack.tracers) == self.depth + 1:
             self.seen.add(name)
 

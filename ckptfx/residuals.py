@@ -19,7 +19,8 @@ from torch import nn
 from .func import modules_read_by
 from .policies import everything_saveable
 from .remat import RematOptions, call, unwrap
-from .trace import Tracer, _stack
+from ._tracers import tracer_stack as _stack
+from .trace import Tracer
 
 __all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
 

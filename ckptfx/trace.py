@@ -68,7 +68,6 @@ Rules
 from __future__ import annotations
 
 import itertools
-import threading
 import weakref
 from typing import Any, Callable
 
@@ -81,33 +80,12 @@ from ._debug import user_call_site
 from ._ops import _OP_INFO, op_info as _op_info
 from .frame import CheckpointError, Frame, Holder, Replay, rerun_function
 from .policies import Offload, call_policy, checkpoint_name
+from ._tracers import active_tracer, reporting, tracer_stack as _stack
 
 __all__ = ["Segment", "Tracer", "active_tracer", "reporting", "residual_unpack_hook"]
 
 aten = torch.ops.aten
 _token = itertools.count()
-
-
-class _TracerStack(threading.local):
-    tracers: list["Tracer"]
-    report: list[tuple[Any, ...]] | None  # open while saved_residuals runs the function
-
-    def __init__(self) -> None:
-        self.tracers = []
-        self.report = None
-
-
-_stack = _TracerStack()
-
-
-def reporting() -> bool:
-    """True while ``saved_residuals`` runs a function on this thread."""
-    return _stack.report is not None
-
-
-def active_tracer() -> "Tracer | None":
-    tracers = _stack.tracers
-    return tracers[-1] if tracers else None
 
 
 # -- residual holders (what a kept saved tensor is packed into) ------------------------------
