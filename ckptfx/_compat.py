@@ -99,11 +99,6 @@ def functorch_level() -> int:
     return 0 if level is None else level
 
 
-def is_functorch_wrapped(t: torch.Tensor) -> bool:
-    """True for a tensor wrapped by a torch.func transform (grad tracking or batched)."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
-
-
 def functorch_tensor_level(t: torch.Tensor) -> int:
     """The transform level of ``t``'s outermost functorch wrapper, or -1 for a plain tensor."""
     return torch._C._functorch.maybe_get_level(t)
