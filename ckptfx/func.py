@@ -88,6 +88,9 @@ class _Block:
         self.out_positions: list[int] = []
         self.kept_ops: list[tuple[int, Any, Any, list[Any]]] = []  # index, op, spec, leaves
         self.op_funcs: list[Any] = []  # every op of the forward, in order (see _InjectMode)
+        self.op_sources: list[tuple[Any, ...]] = []  # where each op's tensor arguments came from
+        self.outside: list[torch.Tensor] = []  # tensors the forward's ops read from outside
+        self.input_tensors: tuple[torch.Tensor, ...] = ()
         self.env: ReplayEnv | None = None
         self.kept: tuple[torch.Tensor, ...] = ()  # the kept outputs, in kept_ops order
         self.level = 0  # the transform level the call is differentiated at (0: autograd)
@@ -137,6 +140,7 @@ class _KeepMode(_compat.TorchDispatchMode):
         self.kept_index: set[int] = set()
         self.pending: list[tuple[Any, ...]] = []  # kept op outputs, checked by finish()
         self.funcs: list[Any] = []
+        self.sources = _Sources(block.input_tensors, block.outside)
         # (op index, storage) of each in-place write: a write through a tensor that shares
         # storage but not the version counter (matmul's _unsafe_view of a kept mm) rewrites
         # a kept value without moving its _version.
@@ -149,10 +153,13 @@ class _KeepMode(_compat.TorchDispatchMode):
             for g in (*args, kwargs.get("generator")):
                 if isinstance(g, torch.Generator):
                     self.block.env.note_generator(g)  # type: ignore[union-attr]
+        policy = self.block.policy
+        sources = self.sources.of(args, kwargs) if policy is not None else ()
         out = func(*args, **kwargs)
         index, self.index = self.index, self.index + 1
         self.funcs.append(func)
-        policy = self.block.policy
+        if policy is not None:
+            self.sources.made(index, out, sources)
         if policy is not None:
             for i, name in info.writes:
                 v = args[i] if i < len(args) else kwargs.get(name)
@@ -194,6 +201,7 @@ class _KeepMode(_compat.TorchDispatchMode):
         replay must see the value the op produced, not a later one)."""
         kept: list[torch.Tensor] = []
         self.block.op_funcs = self.funcs
+        self.block.op_sources = self.sources.per_op
         for index, func, spec, template, tensors, versions in self.pending:
             if any(t._version != v for t, v in zip(tensors, versions)):
                 continue
@@ -236,12 +244,15 @@ class _InjectMode(_compat.TorchDispatchMode):
     position can hold another call of the same overload.
     """
 
-    def __init__(self, block: _Block, kept: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, block: _Block, kept: tuple[torch.Tensor, ...],
+                 inputs: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
         self.block = block
         self.index = 0
         self.by_op: dict[int, tuple[Any, Any, list[Any]]] = {}
         self.funcs = block.op_funcs
+        self.expected_sources = block.op_sources
+        self.sources = _Sources(inputs, None)
         it = iter(kept)
         for index, func, spec, template in block.kept_ops:
             filled = []
@@ -259,16 +270,67 @@ class _InjectMode(_compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         index, self.index = self.index, self.index + 1
-        if self.by_op and (index >= len(self.funcs) or self.funcs[index] is not func):
+        if not self.by_op:
+            return func(*args, **(kwargs or {}))
+        sources = self.sources.of(args, kwargs or {})
+        if (index >= len(self.funcs) or self.funcs[index] is not func
+                or self.expected_sources[index] != sources):
             self.by_op.clear()
+            return func(*args, **(kwargs or {}))
         entry = self.by_op.get(index)
         if entry is not None:
-            if entry[0] is func:
-                _, spec, leaves = entry
-                self.block.injected += 1
-                return optree.tree_unflatten(spec, leaves)
-            self.by_op.clear()
-        return func(*args, **(kwargs or {}))
+            _, spec, leaves = entry
+            self.block.injected += 1
+            out = optree.tree_unflatten(spec, leaves)
+        else:
+            out = func(*args, **(kwargs or {}))
+        self.sources.made(index, out, sources)
+        return out
+
+
+class _Sources:
+    """Where the tensors an op reads come from: a block input (by position), an earlier op's
+    output (by op index and output position), or a tensor from outside the block.
+
+    The forward records this per op and the replay compares it before handing back a kept
+    value: an op of the same overload at the same position is not enough, since the replay's
+    op sequence can shift (autocast's cast cache: the forward's call found a weight's cast
+    made by an earlier call, the replay casts it again), and a kept value would then go to
+    another op's call.  Tensors are matched by identity under a weak reference, so an id
+    reused by a later tensor never matches.
+    """
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...],
+                 outside: list[torch.Tensor] | None) -> None:
+        self.by_id: dict[int, tuple[weakref.ref, tuple[Any, ...]]] = {}
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor):
+                u = _unwrap(t)
+                self.by_id.setdefault(id(u), (weakref.ref(u), ("in", i)))
+        self.outside = outside  # the forward keeps outside tensors alive for the comparison
+        self.held: set[int] = set()
+        self.per_op: list[tuple[Any, ...]] = []
+
+    def of(self, args: Any, kwargs: dict) -> tuple[Any, ...]:
+        found = []
+        for x in optree.tree_leaves((args, kwargs), none_is_leaf=True):
+            if not isinstance(x, torch.Tensor):
+                continue
+            entry = self.by_id.get(id(x))
+            if entry is not None and entry[0]() is x:
+                found.append(entry[1])
+            else:
+                if self.outside is not None and id(x) not in self.held:
+                    self.held.add(id(x))
+                    self.outside.append(x)
+                found.append(("outside", id(x)))
+        return tuple(found)
+
+    def made(self, index: int, out: Any, sources: tuple[Any, ...]) -> None:
+        self.per_op.append(sources)
+        for j, o in enumerate(optree.tree_leaves(out, none_is_leaf=True)):
+            if isinstance(o, torch.Tensor):
+                self.by_id[id(o)] = (weakref.ref(o), ("op", index, j))
 
 
 class _Kept:
@@ -366,7 +428,7 @@ def _per_use_gradients(block: _Block, inputs: tuple[torch.Tensor, ...],
         for i, k in enumerate(block.keys):
             if k in index:
                 ts[i] = diff[index[k]]
-        with block.env.restored(), _InjectMode(block, block.kept):  # type: ignore[union-attr]
+        with block.env.restored(), _InjectMode(block, block.kept, tuple(ts)):  # type: ignore[union-attr]
             return block.run(tuple(ts))
 
     def hook_uses(outs: tuple[torch.Tensor, ...], diff: tuple[torch.Tensor, ...]) -> None:
@@ -568,6 +630,7 @@ def _differentiated_call(block: _Block, inputs: tuple[torch.Tensor, ...]
     # nobody reads, so no level's graph changes).
     start = _compat.node_sequence_nr(first.view_as(first).grad_fn) + 1
     block.env = ReplayEnv(inputs, True)
+    block.input_tensors = inputs
     mode = _KeepMode(block)
     names = _trace_stack.tracers
     names.append(mode)  # checkpoint_name in the block reaches mode.name
@@ -587,9 +650,10 @@ def _differentiated_call(block: _Block, inputs: tuple[torch.Tensor, ...]
             block.diff_positions.append(p)
     uses, outside = _find_uses(diff, edges, start)
     if outside:
-        _refuse_outside(outside[0], block.level)
+        _refuse_outside(outside[0], block.level, edges)
     if not uses:
         return outs
+    _guard_cached_casts(diff, edges, start)
     block.uses = [key for _, _, key, _ in uses]
     per_use = [inputs[edges[key][0]] for key in block.uses]
     # The outputs enter untracked at this level only: ``detach`` would drop the tangents
@@ -601,7 +665,65 @@ def _differentiated_call(block: _Block, inputs: tuple[torch.Tensor, ...]
     return tuple(results[where[id(o)]] if id(o) in where else o for o in outs)
 
 
-def _refuse_outside(node: Any, level: int) -> None:
+_SHARED_CAST_ADVICE = (
+    "The plain function adds the gradients of every use of that one cast before converting "
+    "them to the weight's dtype, and a remat'd call's backward cannot hand gradients to a "
+    "cast outside it, so the result could not be shown bitwise exact. Turn the cache off "
+    "for the region (torch.autocast(..., cache_enabled=False); the values are the same), "
+    "or use each weight in one remat'd call per autocast region."
+)
+
+
+def _is_cast_of_input(node: Any, edges: dict[tuple[int, int], Any]) -> bool:
+    """A dtype cast (autocast's, or ``.to``) of one of the block's inputs."""
+    if type(node).__name__ != "ToCopyBackward0":
+        return False
+    nxt = node.next_functions
+    return len(nxt) == 1 and nxt[0][0] is not None and (id(nxt[0][0]), nxt[0][1]) in edges
+
+
+def _guard_cached_casts(roots: list[torch.Tensor], edges: dict[tuple[int, int], Any],
+                        start: int) -> None:
+    """Casts of the block's inputs that autocast may keep in its cast cache for the rest of
+    the region: a later reader outside this call (another call, plain code) would extend
+    a graph node this call's backward no longer feeds. Such a node only runs in the
+    backward if something outside reached it: refuse there, before any gradient lands."""
+    if not torch.is_autocast_cache_enabled():
+        return
+    seen: set[int] = set()
+    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or _compat.node_sequence_nr(node) < start:
+            continue
+        seen.add(id(node))
+        for nxt, _ in node.next_functions:
+            if nxt is None or id(nxt) in seen:
+                continue
+            if _is_cast_of_input(nxt, edges):
+                seen.add(id(nxt))
+                nxt.register_prehook(_refuse_shared_cast)
+            elif type(nxt).__name__ != "AccumulateGrad":
+                stack.append(nxt)
+
+
+def _refuse_shared_cast(_grad_outputs: Any) -> None:
+    raise CheckpointError(
+        "ckptfx.remat on the torch.func path: code after a remat'd call (another call, or "
+        "plain code) read the autocast cache's cast of a weight that the call had cast, "
+        "inside one autocast region. " + _SHARED_CAST_ADVICE
+    )
+
+
+def _refuse_outside(node: Any, level: int, edges: dict[tuple[int, int], Any] | None = None
+                    ) -> None:
+    if edges is not None and _is_cast_of_input(node, edges):
+        raise CheckpointError(
+            "ckptfx.remat on the torch.func path: the block read a cast of one of its "
+            "arguments that autocast's cast cache made before the call (an earlier call, or "
+            "plain code, used the same weight in this autocast region). "
+            + _SHARED_CAST_ADVICE
+        )
     variable = getattr(node, "variable", None)
     what = "a tensor" if variable is None else f"a tensor of shape {tuple(variable.shape)}"
     why = ("that the torch.func transform around the call tracks" if level > 0

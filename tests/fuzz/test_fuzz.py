@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from . import harness as h
-from .known import KNOWN
+from .known import FIXED, KNOWN
 from .program import Program, Step, generate
 from .run import Summary, fuzz_program
 
@@ -49,13 +49,19 @@ def test_fixed_seeds_are_exact(first: int) -> None:
     assert s.ok > 0.9 * s.runs, s.report()
 
 
-@pytest.mark.parametrize(
-    "known", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=k.reason), id=k.id)
-              for k in KNOWN])
-def test_known_failure_still_fails(known) -> None:
-    """The shrunk program of each known failure; passes (XPASS, strict: red) once fixed."""
+@pytest.mark.parametrize("known", KNOWN, ids=[k.id for k in KNOWN])
+def test_documented_limit_is_refused(known) -> None:
+    """The shrunk program of each documented limit gets its CheckpointError, nothing else."""
     r = h.check(h.VARIANTS_BY_NAME[known.variant], known.program)
-    assert r is None, f"{r}\n{known.program.describe()}"
+    assert r is not None and known.matches(known.program, known.variant, *r), (
+        f"{r}\n{known.program.describe()}")
+
+
+@pytest.mark.parametrize("fixed", FIXED, ids=[f[0].split(":")[0] for f in FIXED])
+def test_fixed_failure_stays_exact(fixed) -> None:
+    _, variant, prog = fixed
+    r = h.check(h.VARIANTS_BY_NAME[variant], prog)
+    assert r is None, f"{r}\n{prog.describe()}"
 
 
 def test_shared_limit_is_classified_not_failed() -> None:
