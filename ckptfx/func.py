@@ -32,6 +32,17 @@ off, so the kernel's frames cannot work under them. Rules:
    tensor (a closure or a global; under plain autograd, one requiring grad) would lose its
    gradient: a ``CheckpointError``. Outside constants are fine.
 
+6. **Autocast's cast cache.** Inside one autocast region the cache hands every use of a leaf
+   weight the same lower-precision cast, and the plain function adds all uses' gradients
+   into that cast before converting them. A remat'd call's backward returns gradients for
+   its inputs, not for a cast outside it, so where the cache shares a cast across a call
+   (a call reads a cast made before it, or code after it reads the call's cast) ckptfx
+   raises a ``CheckpointError`` naming the fix, ``cache_enabled=False`` (bitwise); the
+   second case is caught in the backward, before any gradient is written. The replay hands
+   back a kept value only to an op whose inputs come from where the forward op's came from
+   (an input, an earlier op's output, the same outside tensor): the cache can shift the
+   replay's op sequence against the forward's.
+
 Calls on this path have no kernel frame, so collectors and prefire do not see them, and
 calling one inside ``recompute_session_ctx`` is a ``CheckpointError``.
 
