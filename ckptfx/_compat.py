@@ -6,8 +6,9 @@ looked up once, at import, and a missing one fails loudly with the torch version
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
@@ -111,6 +112,39 @@ def functorch_top_transform() -> str | None:
     if interpreter is None:
         return None
     return interpreter.key().name.lower()
+
+
+@contextlib.contextmanager
+def functorch_vmaps_popped(tensors: Sequence[torch.Tensor]) -> Iterator[int]:
+    """Pop the vmap transforms on top of the stack that none of ``tensors`` is batched by (a
+    vmap entered after those tensors were made: jacrev's vmap over a backward), pushing them
+    back on exit. Yields how many were popped."""
+    from torch._C._functorch import (  # private: the interpreter stack of torch.func
+        peek_interpreter_stack, pop_dynamic_layer_stack, push_dynamic_layer_stack)
+    popped: list[Any] = []
+    try:
+        while True:
+            top = peek_interpreter_stack()
+            if top is None or top.key().name.lower() != "vmap":
+                break
+            level = top.level()
+            if any(_batched_at(t, level) for t in tensors):
+                break
+            popped.append(pop_dynamic_layer_stack())
+        yield len(popped)
+    finally:
+        while popped:
+            push_dynamic_layer_stack(popped.pop())
+
+
+def _batched_at(t: torch.Tensor, level: int) -> bool:
+    """Whether ``t`` or a functorch wrapper inside it is batched by the vmap of ``level``."""
+    ft = torch._C._functorch
+    while ft.is_functorch_wrapped_tensor(t):
+        if ft.is_batchedtensor(t) and ft.maybe_get_level(t) == level:
+            return True
+        t = ft.get_unwrapped(t)
+    return False
 
 
 def functorch_unwrap_level(t: torch.Tensor, level: int) -> torch.Tensor:

@@ -49,10 +49,10 @@ calling one inside ``recompute_session_ctx`` is a ``CheckpointError``.
 Known limits: reverse-over-reverse where the cotangent itself depends on the differentiated
 inputs may differ from the plain function in the last bits (the outer level differentiates
 the replay, not the forward; hessian, jacrev of jacrev and grad of grad with a constant
-cotangent are bitwise). jacrev of a block with random ops raises a ``CheckpointError``
-(jacfwd and hessian fail for such a block without remat too): jacrev vmaps the backward in randomness="error" mode, where the replay
-cannot draw the forward's random numbers again; use ``vmap(vjp)`` with ``randomness="same"``
-or ``"different"`` there. Forward mode and vmap calls save no memory (there is nothing to
+cotangent are bitwise). Under a vmap over the backward that the forward did not run under
+(jacrev's), the replay's forward runs outside that vmap, as the plain function's did, so its
+random ops draw the forward's numbers once and only the backward is batched (jacfwd and
+hessian fail for a block with random ops without remat too: they vmap the forward). Forward mode and vmap calls save no memory (there is nothing to
 save); nor does a call whose innermost transform is vmap inside grad (``grad(vmap(f))``),
 which runs op by op as rule 1 says.
 """
@@ -483,26 +483,33 @@ def _per_use_gradients(block: _Block, inputs: tuple[torch.Tensor, ...],
                 total = term if total is None else total + term
         return total
 
-    try:
-        if any(g is not None and g.is_complex() for g in grads):
-            def replay_hooked(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                outs = replay(*diff)
-                hook_uses(outs, diff)
-                return tuple(outs[p] for p in block.diff_positions)
+    def replay_hooked(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = replay(*diff)
+        hook_uses(outs, diff)
+        return tuple(outs[p] for p in block.diff_positions)
 
-            outs, vjp_fn = torch.func.vjp(replay_hooked, *primals)  # complex: the vjp convention
+    try:
+        vjp_fn = None
+        with _compat.functorch_vmaps_popped(inputs) as popped:
+            # popped: a vmap over this backward that the forward did not run under
+            # (jacrev's). The replay's forward runs outside it, as the plain function's
+            # forward did, and only its backward is batched: under the vmap a random op
+            # would draw batched numbers (or, in randomness="error" mode, refuse) where the
+            # forward drew once.
+            if popped or any(g is not None and g.is_complex() for g in grads):
+                outs, vjp_fn = torch.func.vjp(replay_hooked, *primals)  # complex: vjp's convention
+            else:
+                torch.func.grad(dot, argnums=tuple(range(len(primals))))(*primals)
+        if vjp_fn is not None:
             vjp_fn(tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)))
-        else:
-            torch.func.grad(dot, argnums=tuple(range(len(primals))))(*primals)
     except RuntimeError as err:
         if "randomness" not in str(err):
             raise
         raise CheckpointError(
-            "ckptfx.remat: this backward runs under vmap (jacrev, jacfwd, or a vmap over "
-            "the backward) in randomness='error' mode, and replaying the block draws random "
-            "numbers (dropout, rand_like, ...). Use torch.func.vmap(..., randomness='same' "
-            "or 'different') around vjp instead of jacrev, or take the random op out of "
-            "the remat'd block."
+            "ckptfx.remat: this backward runs under vmap (a vmap over the backward) in "
+            "randomness='error' mode, and replaying the block draws random numbers "
+            "(dropout, rand_like, ...). Use torch.func.vmap(..., randomness='same' or "
+            "'different') there, or take the random op out of the remat'd block."
         ) from err
     result: list[Any] = []
     it = iter(captured)

@@ -96,10 +96,8 @@ def test_transform_bitwise_with_one_replay(transform: str, policy: str, autocast
                                            blocks: list) -> None:
     p, x = mlp_params(), torch.randn(4, 6)
     run = TRANSFORMS[transform]
-    # jacfwd vmaps the forward (dropout fails there without remat too) and jacrev the
-    # backward, so the replay's dropout would run under vmap's randomness "error" mode (a
-    # known limitation): no dropout for the two.
-    drop = 0.0 if transform in ("jacrev", "jacfwd") else 0.25
+    # jacfwd vmaps the forward: dropout fails there without remat too.
+    drop = 0.0 if transform == "jacfwd" else 0.25
     with maybe_autocast(autocast):
         torch.manual_seed(3)
         expected = run(loss_of(mlp, drop), p, x)
@@ -461,11 +459,21 @@ def test_block_and_kept_tensors_freed_after_grad(blocks: list) -> None:
     assert ref() is None
 
 
-def test_jacrev_of_a_block_with_random_ops_raises_a_clear_error() -> None:
-    """jacrev vmaps the backward in randomness='error' mode; the replay's dropout cannot run
-    there, and the error says what to do instead (plain jacrev of the same function works)."""
+@pytest.mark.parametrize("policy", [None, cp.dots_saveable], ids=["default", "dots"])
+def test_jacrev_of_a_block_with_random_ops_is_bitwise(policy) -> None:
+    """jacrev vmaps the backward in randomness='error' mode; the replay's forward runs outside
+    that vmap (as the plain function's forward did), so its dropout draws the forward's mask
+    once and only the backward is batched."""
     w = torch.randn(4, 4) / 2
     x = torch.randn(3, 4)
-    block = ckptfx.remat(lambda x, w: torch.nn.functional.dropout(torch.tanh(x @ w), 0.5, True) @ w)
-    with pytest.raises(ckptfx.CheckpointError, match="randomness"):
-        torch.func.jacrev(lambda x: block(x, w).square().sum())(x)
+
+    def f(x, w):
+        return torch.nn.functional.dropout(torch.tanh(x @ w).t(), 0.5, True).t() @ w
+
+    block = ckptfx.remat(f, policy=policy)
+    results = []
+    for fn in (f, block):
+        torch.manual_seed(0)
+        results.append((torch.func.jacrev(lambda x, w: fn(x, w).square(), argnums=(0, 1))(x, w),
+                        torch.rand(2)))
+    assert_tree_bitwise(results[1], results[0])
