@@ -75,13 +75,13 @@ class Summary:
             f"exact: {self.ok}   not a program for the variant (reference raised): {self.invalid}",
             f"wrong results: {c['wrong']}   block ran too often: {c['runs']}   "
             f"errors: {c['error']}   shared-with-torch: {c['shared-with-torch']}   "
-            f"known failures: {c['known']}",
+            f"documented refusals: {c['known']}",
         ]
         if kinds:
             lines.append("errors by kind:")
             lines += [f"  {n} x {k}" for k, n in kinds.most_common()]
         if known:
-            lines.append("known failures (tests/fuzz/known.py): "
+            lines.append("refused with a CheckpointError naming the fix (tests/fuzz/known.py): "
                          + ", ".join(f"{k}: {n}" for k, n in sorted(known.items())))
         if shared:
             lines.append("shared with torch.utils.checkpoint (documented limit, not a failure):")
