@@ -8,6 +8,7 @@ whose docstring opens with the rules it keeps.
 from . import _compat
 from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
 from .frame import CheckpointError
+from .integrations import apply_activation_checkpointing
 from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
 from .remat import remat
 from .residuals import Residual, print_saved_residuals, saved_residuals
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "apply_activation_checkpointing",
     "Offload",
     "Residual",
     "UnusedNameWarning",
