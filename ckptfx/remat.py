@@ -313,6 +313,8 @@ def unwrap(fun: Callable[..., Any]) -> tuple[Callable[..., Any], RematOptions] |
 def argument_names(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
                    ) -> list[str]:
     """A readable name per tensor leaf, in flattening order: ``params['w1']``, ``x``."""
+    if isinstance(fun, torch.nn.Module):  # remat(module): its forward names the arguments
+        fun = fun.forward
     try:
         params = [p.name for p in inspect.signature(fun).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

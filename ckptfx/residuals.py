@@ -10,6 +10,7 @@ under their own policies). It answers "why did remat not reduce my memory?".
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import optree
@@ -86,7 +87,9 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
             call(target, options, args, kwargs)
     finally:
         _stack.report = outer
-    modules = modules_read_by(fun, optree.tree_leaves((args, kwargs), none_is_leaf=True))
+    leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
+    modules = _modules(fun, target, leaves)
+    outside = _outside_names(target, modules)
     out: list[Residual] = []
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     for tracer, kind, x, slot, version in report:
@@ -97,7 +100,7 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
         if key in seen:
             continue
         seen.add(key)
-        name, source = _source(tracer, kind, x, slot, version, modules)
+        name, source = _source(tracer, kind, x, slot, version, outside)
         out.append(Residual(tuple(x.shape), x.dtype, x.device, x.numel() * x.element_size(),
                             name, kind, source))
     return out
@@ -139,16 +142,62 @@ def _root_tensor(tracer: Tracer, slot: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _outside_name(t: torch.Tensor, modules: list[nn.Module]) -> str | None:
+def _modules(fun: Callable[..., Any], target: Callable[..., Any], leaves: list[Any]
+             ) -> list[nn.Module]:
+    """The modules the reported function can read parameters from: those of ``fun`` (the
+    remat'd wrapper) and of the function it wraps (a module, a bound method, or a
+    ``functools.partial`` binding the module, as Hugging Face passes its layers)."""
+    found = [*modules_read_by(fun, leaves), *modules_read_by(target, leaves)]
+    while isinstance(target, functools.partial):
+        bound = optree.tree_leaves((target.args, target.keywords),  # type: ignore[arg-type]
+                                   none_is_leaf=True)
+        target = target.func
+        found += modules_read_by(target, bound)
+        found += [m for m in bound if isinstance(m, nn.Module)]
+    unique: list[nn.Module] = []
+    for m in found:
+        if not any(m is u for u in unique):
+            unique.append(m)
+    return unique
+
+
+def _outside_names(target: Callable[..., Any], modules: list[nn.Module]) -> dict[int, str]:
+    """How to name each tensor the block reads without it being an argument, by identity:
+    ``the parameter self_attn.q_proj.weight`` (qualified from the outermost module), ``the
+    argument position_embeddings[0]`` (bound by ``functools.partial``), ``the closure
+    variable w``."""
+    names: dict[int, str] = {}
+
+    def add(t: Any, name: str) -> None:
+        if isinstance(t, torch.Tensor):
+            names.setdefault(id(t), name)
+
     for m in modules:
-        for name, p in (*m.named_parameters(), *m.named_buffers()):
-            if p is t:
-                return name
-    return None
+        for name, p in m.named_parameters():
+            add(p, f"the parameter {name}")
+        for name, b in m.named_buffers():
+            add(b, f"the buffer {name}")
+    fn: Any = target
+    while isinstance(fn, functools.partial):
+        for key, value in fn.keywords.items():
+            paths, leaves, _ = optree.tree_flatten_with_path(value, none_is_leaf=True)
+            for path, leaf in zip(paths, leaves):
+                add(leaf, "the argument " + key + "".join(f"[{k!r}]" for k in path))
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    for var, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        paths, leaves, _ = optree.tree_flatten_with_path(value, none_is_leaf=True)
+        for path, leaf in zip(paths, leaves):
+            add(leaf, "the closure variable " + var + "".join(f"[{k!r}]" for k in path))
+    return names
 
 
 def _source(tracer: Tracer, kind: str, x: torch.Tensor, slot: int, version: int,
-            modules: list[nn.Module]) -> tuple[str | None, str]:
+            outside: dict[int, str]) -> tuple[str | None, str]:
     seg = tracer.seg
     fn = tracer.frame.fn
     where = getattr(fn, "__qualname__", "block")
@@ -156,10 +205,11 @@ def _source(tracer: Tracer, kind: str, x: torch.Tensor, slot: int, version: int,
         if slot in seg.input_slots and tracer.input_names:
             return None, f"from the argument {tracer.input_names[seg.input_slots.index(slot)]}"
         t = seg.outside.get(slot, (x, 0))[0]
-        name = _outside_name(t, modules)
+        name = outside.get(id(t))
         if name is not None:
-            return None, f"from the parameter {name}"
-        return None, f"from a tensor {where} read from outside its arguments"
+            return None, f"from {name}"
+        return None, (f"from a tensor {where} read from outside its arguments (not a "
+                      "parameter or buffer of a module it is a method of or is given)")
     suffix = " (offloaded to host)" if kind == "offloaded" else ""
     named = tracer.names.get(slot)
     if named is not None:
