@@ -3,7 +3,7 @@ on ckptfx's own kernel (frame.py), so that sessions and prefire work for it."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -194,9 +194,9 @@ def run_with_policy(function: Callable[..., Any], args: tuple[Any, ...],
     # the kernel modules never import a transform at import time.
     from .remat import RematOptions, call
 
-    if isinstance(policy, NothingSaveable):
-        policy = None  # remat's own default, without asking a policy per op
-    return call(function, RematOptions(policy, early_stop, (), frozenset()), args, kwargs,
+    # nothing_saveable is remat's own default (None), without asking a policy per op
+    decide = None if isinstance(policy, NothingSaveable) else policy
+    return call(function, RematOptions(decide, early_stop, (), frozenset()), args, kwargs,
                 names)
 
 
@@ -253,8 +253,15 @@ M = TypeVar("M", bound=nn.Module)
 _WRAPPED_CLASSES: dict[type, type] = {}
 
 
-class _CheckpointedModule:
-    """Mixin of the classes made by ``checkpoint_wrapper``."""
+if TYPE_CHECKING:  # the mixin only ever comes before an nn.Module subclass
+    _MixinBase = nn.Module
+else:
+    _MixinBase = object
+
+
+class _CheckpointedModule(_MixinBase):
+    """Mixin of the classes made by ``checkpoint_wrapper`` (always before an
+    ``nn.Module`` subclass in their bases)."""
 
     _ckptfx_options: dict[str, Any]
     _ckptfx_names: NameCheck | None

@@ -200,5 +200,5 @@ def _enable_hf(model: nn.Module, layers: list[nn.Module], policy: Callable[..., 
             continue
         if layer_class is not None and isinstance(m, layer_class) and id(m) not in chosen:
             continue
-        m._gradient_checkpointing_func = func
-        m.gradient_checkpointing = True
+        setattr(m, "_gradient_checkpointing_func", func)
+        setattr(m, "gradient_checkpointing", True)

@@ -111,9 +111,9 @@ def remat(
     for n in nums:
         if not isinstance(n, int) or isinstance(n, bool):
             raise TypeError(f"static_argnums must be ints, got {n!r}")
-    for n in names:
-        if not isinstance(n, str):
-            raise TypeError(f"static_argnames must be strings, got {n!r}")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"static_argnames must be strings, got {name!r}")
     if isinstance(policy, NothingSaveable):
         policy = None  # the same, without asking a policy per op
     options = RematOptions(policy, early_stop, nums, frozenset(names))

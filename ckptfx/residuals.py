@@ -87,7 +87,7 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
             call(target, options, args, kwargs)
     finally:
         _stack.report = outer
-    leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
+    leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     modules = _modules(fun, target, leaves)
     outside = _outside_names(target, modules)
     out: list[Residual] = []
@@ -118,11 +118,12 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 
 def _bytes(n: int) -> str:
+    value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value} B"
 
 
 def _as_leaf(x: Any) -> Any:
@@ -149,7 +150,7 @@ def _modules(fun: Callable[..., Any], target: Callable[..., Any], leaves: list[A
     ``functools.partial`` binding the module, as Hugging Face passes its layers)."""
     found = [*modules_read_by(fun, leaves), *modules_read_by(target, leaves)]
     while isinstance(target, functools.partial):
-        bound = optree.tree_leaves((target.args, target.keywords),  # type: ignore[arg-type]
+        bound = optree.tree_leaves((target.args, target.keywords),
                                    none_is_leaf=True)
         target = target.func
         found += modules_read_by(target, bound)
