@@ -75,7 +75,15 @@ __all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
 
 class CheckpointError(_torch_checkpoint.CheckpointError):
     """A checkpointed block could not be replayed faithfully, or was used in a way ckptfx
-    cannot support. Subclass of ``torch.utils.checkpoint.CheckpointError``."""
+    cannot support. Subclass of ``torch.utils.checkpoint.CheckpointError``.
+
+    Example::
+
+        try:
+            loss.backward()
+        except ckptfx.CheckpointError as err:   # also caught as torch's CheckpointError
+            print(err)                          # what differed, and what to try next
+    """
 
 
 DEBUG_TIP = (

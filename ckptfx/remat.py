@@ -70,8 +70,9 @@ def remat(
         policy: a ``ckptfx.checkpoint_policies`` policy, or any torch selective-checkpoint
             policy function ``(ctx, op, *args, **kwargs) -> bool | CheckpointPolicy``.
             ``None`` (default) keeps nothing but the inputs the backward needs.
-        early_stop: when the block must be re-run as a Python function (see trace.py), stop
-            once every needed tensor exists (never changes a gradient).
+        early_stop: when the block must be re-run as a Python function (a recording that
+            cannot be shown faithful is not replayed op by op; see the guide's "How remat
+            replays"), stop once every needed tensor exists (never changes a gradient).
         static_argnums / static_argnames: positional indices / keyword names of arguments
             that are Python values baked into the recording (never tensors).
 

@@ -34,7 +34,13 @@ _SHORT = {
 
 @dataclasses.dataclass(frozen=True)
 class Residual:
-    """One tensor kept for the backward.
+    """One tensor kept for the backward, as listed by ``saved_residuals``.
+
+    Example::
+
+        r = ckptfx.saved_residuals(block, params, x)[0]
+        print(r)              # f32[8,16] from the argument x
+        r.kind, r.nbytes      # ('argument', 512)
 
     Attributes:
         shape, dtype, device: of the kept tensor.
@@ -107,7 +113,16 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
 
 
 def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Print ``saved_residuals`` one per line, then the total bytes."""
+    """Print ``saved_residuals`` one per line, then the total bytes.
+
+    Example::
+
+        >>> ckptfx.print_saved_residuals(ckptfx.remat(layer, policy=cp.dots_saveable), h)
+        f32[2,8,32] from the argument hidden_states
+        f32[32,32] from the parameter self_attn.q_proj.weight
+        f32[16,64] output of aten.mm at modeling_llama.py:164 (forward)
+        total: 3 residuals, 10.0 KiB (4.0 KiB beyond the arguments)
+    """
     residuals = saved_residuals(fun, *args, **kwargs)
     for r in residuals:
         print(r)
