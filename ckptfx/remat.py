@@ -73,8 +73,9 @@ def remat(
         early_stop: when the block must be re-run as a Python function (a recording that
             cannot be shown faithful is not replayed op by op; see the guide's "How remat
             replays"), stop once every needed tensor exists (never changes a gradient).
-        static_argnums / static_argnames: positional indices / keyword names of arguments
-            that are Python values baked into the recording (never tensors).
+        static_argnums: positional indices of arguments that are Python values baked into
+            the recording (never tensors).
+        static_argnames: keyword names of such arguments.
 
     Bad input is refused at once, with what to write instead: a policy passed where the
     function goes (``remat(cp.dots_saveable)``: write ``remat(policy=cp.dots_saveable)``)
