@@ -179,6 +179,42 @@ def test_torch_save_and_load_keep_the_checkpointing(policy: Any) -> None:
     assert [b.calls - c for b, c in zip(loaded.blocks, calls)] == [2 if policy is None else 1] * 3
 
 
+def test_differential_against_torch_apply_activation_checkpointing() -> None:
+    """torch's apply_activation_checkpointing (non-reentrant wrapper) and ckptfx's on the
+    same model: the same gradients and block runs as no checkpoint's (plus one replay per
+    block); torch's renames every parameter of a block (its state_dict hooks strip the
+    prefix again), ckptfx's renames nothing."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrap
+
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    plain = Net()
+    _, expected = _grads(plain, x)
+    runs: dict[str, list[int]] = {}
+    for variant in ("torch", "ckptfx"):
+        torch.manual_seed(0)
+        net = Net()
+        keys = list(net.state_dict())
+        names = [n for n, _ in net.named_parameters()]
+        if variant == "torch":
+            torch_wrap.apply_activation_checkpointing(
+                net, checkpoint_wrapper_fn=functools.partial(
+                    torch_wrap.checkpoint_wrapper,
+                    checkpoint_impl=torch_wrap.CheckpointImpl.NO_REENTRANT),
+                check_fn=lambda m: isinstance(m, Block))
+            blocks = [b._checkpoint_wrapped_module for b in net.blocks]
+            assert any("_checkpoint_wrapped_module" in n for n, _ in net.named_parameters())
+        else:
+            ckptfx.apply_activation_checkpointing(net)
+            blocks = list(net.blocks)
+            assert [n for n, _ in net.named_parameters()] == names
+        assert list(net.state_dict()) == keys
+        _, got = _grads(net, x)
+        assert_bitwise(got, expected)
+        runs[variant] = [b.calls for b in blocks]
+    assert runs["torch"] == runs["ckptfx"] == [2, 2, 2]
+
+
 def test_applying_again_updates_the_policy() -> None:
     net = ckptfx.apply_activation_checkpointing(Net(), policy=cp.dots_saveable)
     ckptfx.apply_activation_checkpointing(net)
