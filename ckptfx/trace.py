@@ -264,7 +264,7 @@ class Segment:
                 rng = op.rng
                 if rng is not None:
                     if rng is _BLOCK_START:
-                        assert frame.env.cpu_rng is not None  # captured: a draw was seen
+                        assert frame.env.cpu_rng is not None  # remat frames always capture it
                         torch.set_rng_state(frame.env.cpu_rng)
                     else:
                         _set_rng(rng)
