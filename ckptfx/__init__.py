@@ -1,13 +1,22 @@
 """ckptfx: JAX-style rematerialization for PyTorch, with a split backward that replays once.
 
-Public names only; each lives in the module named after its idea (``ckptfx.frame``: the
-kernel, ``ckptfx.session``: scheduled recomputation, ``ckptfx.remat``, ``ckptfx.split``...),
-whose docstring opens with the rules it keeps.
+The public names, re-exported: ``checkpoint`` / ``checkpoint_wrapper`` (torch's
+non-reentrant checkpoint, with sessions and policies), ``apply_activation_checkpointing``
+(one line for a whole model), ``remat`` with ``checkpoint_policies`` and ``checkpoint_name``,
+``saved_residuals`` reports, scheduled recomputation (``recompute_handle`` and friends) and
+``vjp_split`` / ``grad_split``. The guide and the API reference are in the docs
+(``mkdocs serve`` in a checkout; built from these docstrings).
+
+Example::
+
+    import ckptfx
+    ckptfx.apply_activation_checkpointing(model, policy=ckptfx.checkpoint_policies.dots_saveable)
 """
 
 from . import _compat
 from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
 from .frame import CheckpointError
+from .integrations import apply_activation_checkpointing
 from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
 from .remat import remat
 from .residuals import Residual, print_saved_residuals, saved_residuals
@@ -28,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "apply_activation_checkpointing",
     "Offload",
     "Residual",
     "UnusedNameWarning",

@@ -48,7 +48,7 @@ pop_saved_tensors_hooks: Callable[[], None] = _require(
 # A SavedVariable made by hand: packs the tensor under the hooks active now (so an inner
 # checkpoint's inputs become saved tensors of its parent) and unpacks through them.
 make_saved_tensor: Callable[..., Any] = _require(torch._C._autograd, "_make_saved_tensor")
-SavedTensor: type = _require(torch._C._autograd, "SavedTensor")
+SavedTensor: Any = _require(torch._C._autograd, "SavedTensor")
 
 # Backward identity: the GraphTask running now (-1 outside backward), torch's
 # GraphExecGroup when the user opened one, and the autograd node being executed.

@@ -38,7 +38,8 @@ class OpLog(TorchDispatchMode):
         self.ops = []
         return super().__enter__()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         self.ops.append(f"{func}  at {user_call_site()}")
         return func(*args, **(kwargs or {}))
 

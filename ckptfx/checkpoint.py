@@ -3,7 +3,7 @@ on ckptfx's own kernel (frame.py), so that sessions and prefire work for it."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -12,6 +12,7 @@ from torch import nn
 from . import _compat
 from ._debug import DebugLogs
 from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
+from .policies import NameCheck, NothingSaveable, check_policy, name_check
 from .session import collect, uncollect
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
@@ -29,6 +30,7 @@ def check_options(
     debug: Any = False,
     preserve_rng_state: Any = True,
     early_stop: Any = True,
+    policy: Any = None,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad checkpoint option."""
     for name, value in (("debug", debug), ("preserve_rng_state", preserve_rng_state),
@@ -50,6 +52,20 @@ def check_options(
             "debug=True records ops with its own contexts and cannot be combined with a custom "
             "context_fn; drop one of them"
         )
+    if policy is not None:
+        check_policy(policy, "policy")
+        if context_fn is not noop_context_fn:
+            raise ValueError(
+                "policy= and context_fn= both choose what the checkpoint keeps; pass one of "
+                "them (a torch selective-checkpoint policy function works as policy= too)"
+            )
+        if debug:
+            raise ValueError(
+                "debug=True traces the plain checkpoint's replay; with policy= the block is "
+                "recorded op by op and never re-run blindly. Drop debug=True, and use "
+                "ckptfx.print_saved_residuals(ckptfx.remat(fn, policy=...), *args) to see "
+                "what the policy keeps"
+            )
 
 
 def checkpoint(
@@ -61,6 +77,7 @@ def checkpoint(
     debug: bool = False,
     preserve_rng_state: bool = True,
     early_stop: bool = True,
+    policy: Callable[..., Any] | None = None,
     **kwargs: Any,
 ) -> Any:
     """Checkpoint a block: save only its inputs, replay it in backward to get the rest.
@@ -82,6 +99,13 @@ def checkpoint(
       other numbers. ``ckptfx.remat`` records such generators and replays them exactly.
     - Under ``torch.no_grad``/``inference_mode`` the function just runs and nothing is saved.
     - Under ``torch.compile`` the call is handed to torch's own checkpoint.
+    - With ``policy=`` the call is a ``ckptfx.remat`` call: the policy decides per op what
+      the backward keeps, and only the rest is recomputed (see ``remat``). The RNG is then
+      always restored and every replay is checked op by op, so ``preserve_rng_state`` and
+      ``determinism_check`` have nothing left to switch off. Under ``torch.compile`` the
+      policy becomes torch's selective-checkpoint context (values it would offload are
+      kept on the device, and ``checkpoint_name`` tags, which torch does not see, keep
+      nothing).
 
     Args:
         function: the block; called as ``function(*args, **kwargs)``. Outputs may be any
@@ -100,12 +124,22 @@ def checkpoint(
             under any load). Per call (torch's global ``set_checkpoint_early_stop`` does not
             change it). It never changes a gradient: an op that fills a tensor it saved
             (``nn.RReLU``) is let finish first, where torch 2.13 stops before it.
+        policy: what to keep, as in ``remat(policy=...)``: a ``ckptfx.checkpoint_policies``
+            policy or a torch selective-checkpoint policy function. Not together with
+            ``context_fn`` or ``debug=True`` (a ``ValueError``). Being an option of
+            ``checkpoint``, the name ``policy`` is not passed on to ``function``.
 
     Example::
 
         import ckptfx
         out = ckptfx.checkpoint(block, x, mask=mask)
         out.sum().backward()
+
+        # keep the matmul outputs, recompute the rest (Hugging Face models too:
+        # model._set_gradient_checkpointing(gradient_checkpointing_func=
+        #     functools.partial(ckptfx.checkpoint, policy=cp.dots_saveable)))
+        from ckptfx import checkpoint_policies as cp
+        out = ckptfx.checkpoint(block, x, policy=cp.dots_saveable)
     """
     if use_reentrant:
         raise ValueError(
@@ -116,7 +150,9 @@ def checkpoint(
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
     check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
-                  preserve_rng_state=preserve_rng_state, early_stop=early_stop)
+                  preserve_rng_state=preserve_rng_state, early_stop=early_stop, policy=policy)
+    if policy is not None:
+        return run_with_policy(function, args, kwargs, policy=policy, early_stop=early_stop)
     if _compat.is_compiling():
         return torch_fallback(function, args, kwargs, context_fn=context_fn,
                               determinism_check=determinism_check, debug=debug,
@@ -137,6 +173,31 @@ def torch_fallback(function: Callable[..., Any], args: tuple[Any, ...],
         options.pop("context_fn", None)
     return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **options,
                                         **kwargs)
+
+
+def run_with_policy(function: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any], *, policy: Callable[..., Any], early_stop: bool,
+                    names: NameCheck | None = None) -> Any:
+    """A checkpoint call with a policy: one ``remat`` call (options already checked).
+
+    ``names`` is the unused-name check of a ``checkpoint_wrapper``'d module (one per module);
+    a bare ``checkpoint(fn, policy=...)`` call has none, since each call may be a new
+    function (Hugging Face passes a fresh ``functools.partial`` per layer call).
+    """
+    from ._torch_sac import selective_context_fn
+
+    if _compat.is_compiling():
+        return torch_fallback(function, args, kwargs, context_fn=selective_context_fn(policy),
+                              early_stop=early_stop)
+    selective_context_fn(policy)  # made now, outside compiled code, for compiled calls later
+    # Imported here, not at the top: a policy turns the call into a transform (remat), and
+    # the kernel modules never import a transform at import time.
+    from .remat import RematOptions, call
+
+    # nothing_saveable is remat's own default (None), without asking a policy per op
+    decide = None if isinstance(policy, NothingSaveable) else policy
+    return call(function, RematOptions(decide, early_stop, (), frozenset()), args, kwargs,
+                names)
 
 
 def run_checkpointed(
@@ -192,10 +253,18 @@ M = TypeVar("M", bound=nn.Module)
 _WRAPPED_CLASSES: dict[type, type] = {}
 
 
-class _CheckpointedModule:
-    """Mixin of the classes made by ``checkpoint_wrapper``."""
+if TYPE_CHECKING:  # the mixin only ever comes before an nn.Module subclass
+    _MixinBase = nn.Module
+else:
+    _MixinBase = object
+
+
+class _CheckpointedModule(_MixinBase):
+    """Mixin of the classes made by ``checkpoint_wrapper`` (always before an
+    ``nn.Module`` subclass in their bases)."""
 
     _ckptfx_options: dict[str, Any]
+    _ckptfx_names: NameCheck | None
     _ckptfx_original_class: type
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -204,8 +273,13 @@ class _CheckpointedModule:
         return (_new_checkpointed, (self._ckptfx_original_class,), self.__getstate__())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        inner = self._ckptfx_original_class.forward.__get__(self)
+        inner = self._ckptfx_original_class.forward.__get__(self)  # type: ignore[attr-defined]
         options = self._ckptfx_options
+        policy = options.get("policy")
+        if policy is not None:
+            return run_with_policy(inner, args, kwargs, policy=policy,
+                                   early_stop=options.get("early_stop", True),
+                                   names=self.__dict__.get("_ckptfx_names"))
         if _compat.is_compiling():
             return torch_fallback(inner, args, kwargs, **options)
         return run_checkpointed(inner, args, kwargs, **options)
@@ -230,34 +304,56 @@ def checkpoint_wrapper(module: M, **checkpoint_kwargs: Any) -> M:
 
     The module is changed in place (its class becomes a subclass of its own class, as
     ``torch.nn.utils.parametrize`` does), so parameter names, ``state_dict`` keys, hooks and
-    ``isinstance`` checks are all unchanged. ``checkpoint_kwargs`` are the keyword options of
-    ``ckptfx.checkpoint`` (``context_fn``, ``determinism_check``, ``debug``,
-    ``preserve_rng_state``, ``early_stop``). Calling it again updates the options.
-    ``unwrap_checkpoint(module)`` restores the plain module.
+    ``isinstance`` checks are all unchanged, and ``torch.save(model)`` / ``torch.load``
+    work. ``checkpoint_kwargs`` are the keyword options of ``ckptfx.checkpoint``
+    (``context_fn``, ``determinism_check``, ``debug``, ``preserve_rng_state``,
+    ``early_stop``, ``policy``). With ``policy=`` each call is a ``ckptfx.remat`` call of
+    the module's forward, and a name-based policy whose names the forward never uses warns
+    once per module. Calling it again updates the options. ``unwrap_checkpoint(module)``
+    restores the plain module.
 
     Example::
 
-        for i, block in enumerate(model.blocks):
+        for block in model.blocks:
             ckptfx.checkpoint_wrapper(block)
+        # or keep the matmul outputs and recompute only the cheap ops:
+        ckptfx.checkpoint_wrapper(model.blocks[0], policy=cp.dots_saveable)
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     unknown = set(checkpoint_kwargs) - {"context_fn", "determinism_check", "debug",
-                                        "preserve_rng_state", "early_stop", "use_reentrant"}
+                                        "preserve_rng_state", "early_stop", "use_reentrant",
+                                        "policy"}
     if unknown:
         raise TypeError(f"checkpoint_wrapper got unknown checkpoint options {sorted(unknown)}")
     if checkpoint_kwargs.pop("use_reentrant", False):
         raise ValueError("use_reentrant=True is not supported: ckptfx is non-reentrant only")
     check_options(**checkpoint_kwargs)
+    if checkpoint_kwargs.get("policy", 0) is None:
+        del checkpoint_kwargs["policy"]  # policy=None: the plain checkpoint
     if not isinstance(module, _CheckpointedModule):
         module.__class__ = _wrapped_class(type(module))
-    module._ckptfx_options = dict(checkpoint_kwargs)
+    # Through __dict__: nn.Module.__setattr__ would look for parameters and submodules.
+    module.__dict__["_ckptfx_options"] = dict(checkpoint_kwargs)
+    module.__dict__["_ckptfx_names"] = name_check(checkpoint_kwargs.get("policy"))
+    if "policy" in checkpoint_kwargs:
+        from ._torch_sac import selective_context_fn
+
+        selective_context_fn(checkpoint_kwargs["policy"])  # for compiled calls (see there)
     return module
 
 
 def unwrap_checkpoint(module: M) -> M:
-    """Undo ``checkpoint_wrapper`` in place; returns the same module."""
+    """Undo ``checkpoint_wrapper`` in place; returns the same module.
+
+    Example::
+
+        ckptfx.checkpoint_wrapper(block)
+        ...
+        ckptfx.unwrap_checkpoint(block)   # plain forward again
+    """
     if isinstance(module, _CheckpointedModule):
         module.__class__ = module._ckptfx_original_class
-        del module._ckptfx_options
+        module.__dict__.pop("_ckptfx_options", None)
+        module.__dict__.pop("_ckptfx_names", None)
     return module

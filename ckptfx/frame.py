@@ -75,7 +75,15 @@ __all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
 
 class CheckpointError(_torch_checkpoint.CheckpointError):
     """A checkpointed block could not be replayed faithfully, or was used in a way ckptfx
-    cannot support. Subclass of ``torch.utils.checkpoint.CheckpointError``."""
+    cannot support. Subclass of ``torch.utils.checkpoint.CheckpointError``.
+
+    Example::
+
+        try:
+            loss.backward()
+        except ckptfx.CheckpointError as err:   # also caught as torch's CheckpointError
+            print(err)                          # what differed, and what to try next
+    """
 
 
 DEBUG_TIP = (
@@ -129,7 +137,8 @@ class _LastOpWatch(_compat.TorchDispatchMode):
         # mode, with other numerics and other saved tensors.
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         rec = self.rec
         kwargs = kwargs or {}
         if rec.last_op_ran is None:  # the pack hook's own detach
@@ -197,7 +206,7 @@ class Frame:
     ) -> None:
         self.fn = fn
         # Saved under the hooks active now: the parent frame's, when nested.
-        self.inputs = [
+        self.inputs: list[Any] = [
             _compat.make_saved_tensor(a, is_output=False) if isinstance(a, torch.Tensor) else a
             for a in args
         ]
@@ -206,7 +215,7 @@ class Frame:
             (*args, *kwargs.values()) if kwargs else args, preserve_rng_state
         )
         self.rerun: Callable[[Frame, Replay], None] = rerun_function
-        self.holders: list[weakref.ref[Holder]] = []
+        self.holders: list[Callable[[], Holder | None]] = []  # weakrefs, or a dead stand-in
         self.metas: list[tuple[Any, ...]] | None = [] if determinism_check == "default" else None
         self.early_stop = early_stop
         self.recompute_ctx = recompute_ctx
@@ -374,7 +383,7 @@ class _Recorder:
         self.last_op_first = frame.last_op_first if self.stop_at > 0 else -1
         self.last_op_seq = -1  # the sequence number the last op's packs see (set by arm)
         self.watch: _LastOpWatch | None = None
-        self.last_op_ran = False
+        self.last_op_ran: bool | None = False
         self.last_op_packs: set[int] = set()
         # A backward run inside the block restores its own thread state when it ends, a
         # mode pushed there would vanish: the watch is armed in the replay's own task only.

@@ -147,7 +147,7 @@ class _KeepMode(_compat.TorchDispatchMode):
         # Only ckptfx's own policies see checkpoint_name; for them, remember which op made
         # each single-tensor output (weakly: an id alone could be reused by a later tensor).
         self.names = isinstance(block.policy, Policy)
-        self.producer: dict[int, tuple[weakref.ref, int, Any]] = {}
+        self.producer: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, int]] = {}
         self.kept_index: set[int] = set()
         self.pending: list[tuple[Any, ...]] = []  # kept op outputs, checked by finish()
         self.funcs: list[Any] = []
@@ -157,7 +157,8 @@ class _KeepMode(_compat.TorchDispatchMode):
         # a kept value without moving its _version.
         self.written: list[tuple[int, int]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         info = _op_info(func)
         if info.seeded:  # explicit generators: the replay starts them where the block did
@@ -279,7 +280,8 @@ class _InjectMode(_compat.TorchDispatchMode):
                     filled.append(x)
             self.by_op[index] = (func, spec, filled)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         index, self.index = self.index, self.index + 1
         if not self.by_op:
             return func(*args, **(kwargs or {}))
@@ -469,7 +471,7 @@ def _per_use_gradients(block: _Block, inputs: tuple[torch.Tensor, ...],
                                       else _compat.functorch_unwrap_level(g, level))
             node.register_hook(hook)
 
-    def dot(*diff: torch.Tensor) -> torch.Tensor:
+    def dot(*diff: torch.Tensor) -> torch.Tensor | None:
         # The gradient of sum(out * g) by out is exactly g (1.0 * g), so this is the vjp;
         # unlike torch.func.vjp's vjp_fn it runs the backward while its own transform
         # level is alive, which nested remat'd blocks (whose backward replays under a
@@ -497,7 +499,8 @@ def _per_use_gradients(block: _Block, inputs: tuple[torch.Tensor, ...],
             # would draw batched numbers (or, in randomness="error" mode, refuse) where the
             # forward drew once.
             if popped or any(g is not None and g.is_complex() for g in grads):
-                outs, vjp_fn = torch.func.vjp(replay_hooked, *primals)  # complex: vjp's convention
+                # torch annotates vjp's result with has_aux's aux
+                outs, vjp_fn = torch.func.vjp(replay_hooked, *primals)  # type: ignore[misc]
             else:
                 torch.func.grad(dot, argnums=tuple(range(len(primals))))(*primals)
         if vjp_fn is not None:
@@ -605,7 +608,7 @@ def call_function_path(fun: Callable[..., Any], policy: Any, leaves: list[Any], 
     bindings: list[tuple[nn.Module, list[str]]] = []
     bound: list[torch.Tensor] = []
     for module in modules_read_by(fun, [*leaves, *tensors]):
-        named = dict(module.named_parameters(remove_duplicate=False))
+        named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
         named.update(module.named_buffers(remove_duplicate=False))
         bindings.append((module, list(named)))
         bound.extend(named.values())

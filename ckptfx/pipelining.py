@@ -93,6 +93,16 @@ class PipelineStage(_tpp.PipelineStage):
     blocks changes (see the module docstring). ``session_id(mb)`` is the recompute session of
     micro-batch ``mb`` of this stage, e.g. for ``ckptfx.recompute_session_stats()`` between
     the I and W steps.
+
+    Example::
+
+        from torch.distributed.pipelining import ScheduleZBVZeroBubble
+        from ckptfx.pipelining import PipelineStage
+
+        stages = [PipelineStage(module, stage_index=i, num_stages=n, device=device)
+                  for i, module in my_stage_modules]     # blocks checkpointed by ckptfx
+        schedule = ScheduleZBVZeroBubble(stages, n_microbatches=4, loss_fn=loss_fn)
+        schedule.step(x, target=y)       # each block replayed once per micro-batch
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -102,7 +112,12 @@ class PipelineStage(_tpp.PipelineStage):
         self._ckptfx_live: set[Hashable] = set()
 
     def session_id(self, microbatch: int) -> Hashable:
-        """The recompute session id of ``microbatch`` on this stage."""
+        """The recompute session id of ``microbatch`` on this stage.
+
+        Example::
+
+            stats = ckptfx.recompute_session_stats().get(stage.session_id(0))
+        """
         return (self._ckptfx_key, microbatch)
 
     # -- F ------------------------------------------------------------------------------------

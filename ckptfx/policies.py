@@ -7,7 +7,7 @@ policy functions, which ckptfx accepts unchanged. It answers for the op's output
 - ``True`` / ``CheckpointPolicy.PREFER_SAVE``: keep them (a permission, as in JAX);
 - ``CheckpointPolicy.MUST_SAVE``: keep them, and never run the op again (for ops with side
   effects, such as collectives): where ``True`` lets a later replay recompute a value kept
-  only for the replay (see trace.py, Rule 2b), ``MUST_SAVE`` keeps it for the graph's life;
+  only for the replay (the recording's Rule 2b), ``MUST_SAVE`` keeps it for the graph's life;
 - ``False`` / ``MUST_RECOMPUTE`` / ``PREFER_RECOMPUTE``: recompute them in the backward;
 - an ``Offload`` (or ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``): keep them in host memory.
 
@@ -73,7 +73,15 @@ DOTS = _DOTS_NO_BATCH | _DOTS_BATCH | _CONVS
 class Offload:
     """Keep the output, moved from ``src`` (device memory) to ``dst`` (host memory) in the
     forward and back for the backward. ``dst`` is ``"pinned_host"`` (pinned when an
-    accelerator is present) or ``"cpu"``."""
+    accelerator is present) or ``"cpu"``. A policy returns one to offload an op's outputs.
+
+    Example::
+
+        def offload_matmuls(ctx, op, *args, **kwargs):
+            return ckptfx.Offload() if op is torch.ops.aten.mm.default else False
+
+        block = ckptfx.remat(f, policy=offload_matmuls)
+    """
 
     src: str = "device"
     dst: str = "pinned_host"
@@ -164,7 +172,12 @@ def _name_of(op: Any, kwargs: dict[str, Any]) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class EverythingSaveable(Policy):
-    """Save every value the backward needs: no recomputation (plain autograd's memory)."""
+    """Save every value the backward needs: no recomputation (plain autograd's memory).
+
+    Example::
+
+        ckptfx.remat(f, policy=checkpoint_policies.everything_saveable)
+    """
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         return True
@@ -172,7 +185,12 @@ class EverythingSaveable(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class NothingSaveable(Policy):
-    """Save only the block's inputs; recompute everything else (the default)."""
+    """Save only the block's inputs; recompute everything else (the default).
+
+    Example::
+
+        ckptfx.remat(f, policy=checkpoint_policies.nothing_saveable)   # same as remat(f)
+    """
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         return False
@@ -181,7 +199,15 @@ class NothingSaveable(Policy):
 @dataclasses.dataclass(frozen=True)
 class DotsSaveable(Policy):
     """Save the outputs of matrix products (and convolutions unless ``only_if_no_batch_dims``,
-    which keeps only products without batch dimensions); recompute the cheap elementwise ops."""
+    which keeps only products without batch dimensions); recompute the cheap elementwise ops.
+    ``checkpoint_policies.dots_saveable`` (alias ``checkpoint_dots``) and
+    ``checkpoint_policies.dots_with_no_batch_dims_saveable`` are its two values.
+
+    Example::
+
+        ckptfx.remat(f, policy=checkpoint_policies.dots_saveable)
+        ckptfx.remat(f, policy=checkpoint_policies.dots_with_no_batch_dims_saveable)
+    """
 
     only_if_no_batch_dims: bool = False
 
@@ -193,7 +219,13 @@ class DotsSaveable(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class SaveOnlyTheseNames(Policy):
-    """Save only values tagged with one of ``names`` by ``checkpoint_name``."""
+    """Save only values tagged with one of ``names`` by ``checkpoint_name``; made by
+    ``checkpoint_policies.save_only_these_names``.
+
+    Example::
+
+        policy = checkpoint_policies.save_only_these_names("attn_out")
+    """
 
     names: frozenset[str]
 
@@ -209,7 +241,13 @@ class SaveOnlyTheseNames(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class SaveAnyNamesButThese(Policy):
-    """Save every named value except those in ``names``; unnamed values are recomputed."""
+    """Save every named value except those in ``names``; unnamed values are recomputed. Made
+    by ``checkpoint_policies.save_any_names_but_these``.
+
+    Example::
+
+        policy = checkpoint_policies.save_any_names_but_these("mlp_hidden")
+    """
 
     names: frozenset[str]
 
@@ -226,7 +264,14 @@ class SaveAnyNamesButThese(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class SaveFromBothPolicies(Policy):
-    """Save what either policy saves (offload if one offloads and neither saves)."""
+    """Save what either policy saves (offload if one offloads and neither saves). Made by
+    ``checkpoint_policies.save_from_both_policies``.
+
+    Example::
+
+        policy = checkpoint_policies.save_from_both_policies(
+            checkpoint_policies.dots_saveable, checkpoint_policies.save_only_these_names("h"))
+    """
 
     first: Callable[..., Any]
     second: Callable[..., Any]
@@ -250,7 +295,14 @@ class SaveFromBothPolicies(Policy):
 @dataclasses.dataclass(frozen=True)
 class SaveAndOffloadOnlyTheseNames(Policy):
     """Save the values named in ``names_which_can_be_saved``, offload those named in
-    ``names_which_can_be_offloaded``, recompute the rest."""
+    ``names_which_can_be_offloaded``, recompute the rest. Made by
+    ``checkpoint_policies.save_and_offload_only_these_names``.
+
+    Example::
+
+        policy = checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=["attn_out"], names_which_can_be_offloaded=["mlp_in"])
+    """
 
     names_which_can_be_saved: frozenset[str]
     names_which_can_be_offloaded: frozenset[str]
@@ -285,7 +337,13 @@ class SaveAndOffloadOnlyTheseNames(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class OffloadDotWithNoBatchDims(Policy):
-    """Offload the outputs of matrix products without batch dimensions to host memory."""
+    """Offload the outputs of matrix products without batch dimensions to host memory. Made
+    by ``checkpoint_policies.offload_dot_with_no_batch_dims``.
+
+    Example::
+
+        policy = checkpoint_policies.offload_dot_with_no_batch_dims()
+    """
 
     offload: Offload
 
@@ -426,20 +484,44 @@ def save_only_these_names(*names: str) -> Policy:
     everything else. Names are separate arguments, as in JAX:
     ``save_only_these_names("attn", "mlp")`` (``*names`` for a list). A bare list, or a
     name that is not a string, is a ``TypeError``. ``remat`` warns once per block
-    (``UnusedNameWarning``) about names no ``checkpoint_name`` in the block uses."""
+    (``UnusedNameWarning``) about names no ``checkpoint_name`` in the block uses.
+
+    Example::
+
+        @ckptfx.remat(policy=checkpoint_policies.save_only_these_names("attn_out"))
+        def block(x, w):
+            a = ckptfx.checkpoint_name(torch.softmax(x @ w, -1), "attn_out")  # kept
+            return torch.relu(a @ w)                                          # recomputed
+    """
     return SaveOnlyTheseNames(_star_names(names, "save_only_these_names"))
 
 
 def save_any_names_but_these(*names: str) -> Policy:
     """Save every value tagged by ``checkpoint_name`` except those named in ``names``
     (separate string arguments, as in ``save_only_these_names``); recompute untagged
-    values."""
+    values.
+
+    Example::
+
+        @ckptfx.remat(policy=checkpoint_policies.save_any_names_but_these("big"))
+        def block(x, w):
+            big = ckptfx.checkpoint_name(x @ w, "big")          # recomputed
+            small = ckptfx.checkpoint_name(big.sum(-1), "small")  # kept
+            return small.exp()
+    """
     return SaveAnyNamesButThese(_star_names(names, "save_any_names_but_these"))
 
 
 def save_from_both_policies(policy_1: Callable[..., Any], policy_2: Callable[..., Any]) -> Policy:
     """Save what either policy saves. Each argument is a policy (not a factory: write
-    ``save_only_these_names("attn")``, not ``save_only_these_names``)."""
+    ``save_only_these_names("attn")``, not ``save_only_these_names``).
+
+    Example::
+
+        cp = checkpoint_policies
+        policy = cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                            cp.save_only_these_names("attn"))
+    """
     return SaveFromBothPolicies(_check_policy(policy_1, "policy_1"),
                                 _check_policy(policy_2, "policy_2"))
 
@@ -454,7 +536,15 @@ def save_and_offload_only_these_names(
     """Save the values named in ``names_which_can_be_saved``, offload to host memory those
     named in ``names_which_can_be_offloaded``, recompute the rest. Both are collections of
     strings (``["attn"]``); a bare string would be read as its letters and is a
-    ``TypeError``, as are non-iterables and non-string items."""
+    ``TypeError``, as are non-iterables and non-string items.
+
+    Example::
+
+        policy = checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=["attn_out"],
+            names_which_can_be_offloaded=["mlp_in"],   # kept in host memory
+        )
+    """
     where = "save_and_offload_only_these_names"
     return SaveAndOffloadOnlyTheseNames(
         _name_set(names_which_can_be_saved, "names_which_can_be_saved", where),
@@ -465,7 +555,13 @@ def save_and_offload_only_these_names(
 
 def offload_dot_with_no_batch_dims(offload_src: str = "device",
                                    offload_dst: str = "pinned_host") -> Policy:
-    """Offload the outputs of matrix products without batch dimensions to host memory."""
+    """Offload the outputs of matrix products without batch dimensions to host memory
+    (``offload_dst``: ``"pinned_host"`` or ``"cpu"``), recompute everything else.
+
+    Example::
+
+        block = ckptfx.remat(f, policy=checkpoint_policies.offload_dot_with_no_batch_dims())
+    """
     return OffloadDotWithNoBatchDims(Offload(offload_src, offload_dst))
 
 
@@ -495,7 +591,13 @@ def _factory_call(p: Any) -> str | None:
 class UnusedNameWarning(UserWarning):
     """A name-based policy of a ``remat``'d block names values that no ``checkpoint_name``
     in the block's forward uses, so those names save nothing (a typo, or a name from another
-    block). Issued once per remat'd function."""
+    block). Issued once per remat'd function.
+
+    Example::
+
+        import warnings
+        warnings.simplefilter("error", ckptfx.UnusedNameWarning)   # make a typo fail loudly
+    """
 
 
 class _NameScopes(threading.local):

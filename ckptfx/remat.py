@@ -70,10 +70,12 @@ def remat(
         policy: a ``ckptfx.checkpoint_policies`` policy, or any torch selective-checkpoint
             policy function ``(ctx, op, *args, **kwargs) -> bool | CheckpointPolicy``.
             ``None`` (default) keeps nothing but the inputs the backward needs.
-        early_stop: when the block must be re-run as a Python function (see trace.py), stop
-            once every needed tensor exists (never changes a gradient).
-        static_argnums / static_argnames: positional indices / keyword names of arguments
-            that are Python values baked into the recording (never tensors).
+        early_stop: when the block must be re-run as a Python function (a recording that
+            cannot be shown faithful is not replayed op by op; see the guide's "How remat
+            replays"), stop once every needed tensor exists (never changes a gradient).
+        static_argnums: positional indices of arguments that are Python values baked into
+            the recording (never tensors).
+        static_argnames: keyword names of such arguments.
 
     Bad input is refused at once, with what to write instead: a policy passed where the
     function goes (``remat(cp.dots_saveable)``: write ``remat(policy=cp.dots_saveable)``)
@@ -111,9 +113,9 @@ def remat(
     for n in nums:
         if not isinstance(n, int) or isinstance(n, bool):
             raise TypeError(f"static_argnums must be ints, got {n!r}")
-    for n in names:
-        if not isinstance(n, str):
-            raise TypeError(f"static_argnames must be strings, got {n!r}")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"static_argnames must be strings, got {name!r}")
     if isinstance(policy, NothingSaveable):
         policy = None  # the same, without asking a policy per op
     options = RematOptions(policy, early_stop, nums, frozenset(names))
@@ -313,6 +315,8 @@ def unwrap(fun: Callable[..., Any]) -> tuple[Callable[..., Any], RematOptions] |
 def argument_names(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
                    ) -> list[str]:
     """A readable name per tensor leaf, in flattening order: ``params['w1']``, ``x``."""
+    if isinstance(fun, torch.nn.Module):  # remat(module): its forward names the arguments
+        fun = fun.forward
     try:
         params = [p.name for p in inspect.signature(fun).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -10,6 +10,7 @@ under their own policies). It answers "why did remat not reduce my memory?".
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import optree
@@ -33,7 +34,13 @@ _SHORT = {
 
 @dataclasses.dataclass(frozen=True)
 class Residual:
-    """One tensor kept for the backward.
+    """One tensor kept for the backward, as listed by ``saved_residuals``.
+
+    Example::
+
+        r = ckptfx.saved_residuals(block, params, x)[0]
+        print(r)              # f32[8,16] from the argument x
+        r.kind, r.nbytes      # ('argument', 512)
 
     Attributes:
         shape, dtype, device: of the kept tensor.
@@ -86,7 +93,9 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
             call(target, options, args, kwargs)
     finally:
         _stack.report = outer
-    modules = modules_read_by(fun, optree.tree_leaves((args, kwargs), none_is_leaf=True))
+    leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
+    modules = _modules(fun, target, leaves)
+    outside = _outside_names(target, modules)
     out: list[Residual] = []
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     for tracer, kind, x, slot, version in report:
@@ -97,14 +106,23 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
         if key in seen:
             continue
         seen.add(key)
-        name, source = _source(tracer, kind, x, slot, version, modules)
+        name, source = _source(tracer, kind, x, slot, version, outside)
         out.append(Residual(tuple(x.shape), x.dtype, x.device, x.numel() * x.element_size(),
                             name, kind, source))
     return out
 
 
 def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Print ``saved_residuals`` one per line, then the total bytes."""
+    """Print ``saved_residuals`` one per line, then the total bytes.
+
+    Example::
+
+        >>> ckptfx.print_saved_residuals(ckptfx.remat(layer, policy=cp.dots_saveable), h)
+        f32[2,8,32] from the argument hidden_states
+        f32[32,32] from the parameter self_attn.q_proj.weight
+        f32[16,64] output of aten.mm at modeling_llama.py:164 (forward)
+        total: 3 residuals, 10.0 KiB (4.0 KiB beyond the arguments)
+    """
     residuals = saved_residuals(fun, *args, **kwargs)
     for r in residuals:
         print(r)
@@ -115,11 +133,12 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 
 def _bytes(n: int) -> str:
+    value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value} B"
 
 
 def _as_leaf(x: Any) -> Any:
@@ -139,16 +158,62 @@ def _root_tensor(tracer: Tracer, slot: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _outside_name(t: torch.Tensor, modules: list[nn.Module]) -> str | None:
+def _modules(fun: Callable[..., Any], target: Callable[..., Any], leaves: list[Any]
+             ) -> list[nn.Module]:
+    """The modules the reported function can read parameters from: those of ``fun`` (the
+    remat'd wrapper) and of the function it wraps (a module, a bound method, or a
+    ``functools.partial`` binding the module, as Hugging Face passes its layers)."""
+    found = [*modules_read_by(fun, leaves), *modules_read_by(target, leaves)]
+    while isinstance(target, functools.partial):
+        bound = optree.tree_leaves((target.args, target.keywords),
+                                   none_is_leaf=True)
+        target = target.func
+        found += modules_read_by(target, bound)
+        found += [m for m in bound if isinstance(m, nn.Module)]
+    unique: list[nn.Module] = []
+    for m in found:
+        if not any(m is u for u in unique):
+            unique.append(m)
+    return unique
+
+
+def _outside_names(target: Callable[..., Any], modules: list[nn.Module]) -> dict[int, str]:
+    """How to name each tensor the block reads without it being an argument, by identity:
+    ``the parameter self_attn.q_proj.weight`` (qualified from the outermost module), ``the
+    argument position_embeddings[0]`` (bound by ``functools.partial``), ``the closure
+    variable w``."""
+    names: dict[int, str] = {}
+
+    def add(t: Any, name: str) -> None:
+        if isinstance(t, torch.Tensor):
+            names.setdefault(id(t), name)
+
     for m in modules:
-        for name, p in (*m.named_parameters(), *m.named_buffers()):
-            if p is t:
-                return name
-    return None
+        for name, p in m.named_parameters():
+            add(p, f"the parameter {name}")
+        for name, b in m.named_buffers():
+            add(b, f"the buffer {name}")
+    fn: Any = target
+    while isinstance(fn, functools.partial):
+        for key, value in fn.keywords.items():
+            paths, leaves, _ = optree.tree_flatten_with_path(value, none_is_leaf=True)
+            for path, leaf in zip(paths, leaves):
+                add(leaf, "the argument " + key + "".join(f"[{k!r}]" for k in path))
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    for var, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        paths, leaves, _ = optree.tree_flatten_with_path(value, none_is_leaf=True)
+        for path, leaf in zip(paths, leaves):
+            add(leaf, "the closure variable " + var + "".join(f"[{k!r}]" for k in path))
+    return names
 
 
 def _source(tracer: Tracer, kind: str, x: torch.Tensor, slot: int, version: int,
-            modules: list[nn.Module]) -> tuple[str | None, str]:
+            outside: dict[int, str]) -> tuple[str | None, str]:
     seg = tracer.seg
     fn = tracer.frame.fn
     where = getattr(fn, "__qualname__", "block")
@@ -156,10 +221,11 @@ def _source(tracer: Tracer, kind: str, x: torch.Tensor, slot: int, version: int,
         if slot in seg.input_slots and tracer.input_names:
             return None, f"from the argument {tracer.input_names[seg.input_slots.index(slot)]}"
         t = seg.outside.get(slot, (x, 0))[0]
-        name = _outside_name(t, modules)
+        name = outside.get(id(t))
         if name is not None:
-            return None, f"from the parameter {name}"
-        return None, f"from a tensor {where} read from outside its arguments"
+            return None, f"from {name}"
+        return None, (f"from a tensor {where} read from outside its arguments (not a "
+                      "parameter or buffer of a module it is a method of or is given)")
     suffix = " (offloaded to host)" if kind == "offloaded" else ""
     named = tracer.names.get(slot)
     if named is not None:

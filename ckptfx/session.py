@@ -102,6 +102,12 @@ class RecomputeHandle:
     It holds its frame weakly: once the graph of that call is freed the handle is inert.
     Handles come from the collector; constructing one around anything but a kernel
     ``Frame`` is a ``TypeError``.
+
+    Example::
+
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            out = ckptfx.checkpoint(block, x)
+        handle = handles[0]          # a RecomputeHandle: pass it to recompute_handle
     """
 
     __slots__ = ("_frame",)
@@ -128,7 +134,13 @@ class RecomputeHandle:
 @dataclasses.dataclass(frozen=True)
 class SessionStats:
     """What one live session holds: ``frames`` registered, ``replayed`` of them replayed,
-    ``tensors`` cached replayed tensors and their ``nbytes`` (shared storages counted once)."""
+    ``tensors`` cached replayed tensors and their ``nbytes`` (shared storages counted once).
+
+    Example::
+
+        stats = ckptfx.recompute_session_stats()[("stage0", 3)]
+        print(stats.replayed, "of", stats.frames, "blocks replayed,", stats.nbytes, "bytes")
+    """
 
     session_id: Hashable
     frames: int
@@ -331,6 +343,15 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
     read by the session's backward calls inside ``recompute_session_ctx``. A frame already
     replayed for this session is not replayed again; a handle whose graph was freed does
     nothing. If the replay raises, the session can be cleared (or the prefire retried).
+
+    Example::
+
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            out = ckptfx.checkpoint(block, x)
+        for h in handles:
+            ckptfx.recompute_handle(h, "mb0")      # replay now, e.g. while a send is in flight
+        with ckptfx.recompute_session_ctx("mb0", retain_on_unpack=True):
+            dx = torch.autograd.grad(out, x, g, retain_graph=True)   # reads the prefired replay
     """
     if not isinstance(handle, RecomputeHandle):
         raise ValueError(
@@ -374,6 +395,16 @@ def clear_recompute_session(session_id: Hashable) -> None:
     Idempotent; an unknown id is a no-op. Call it in a ``finally`` after the session's last
     backward (or when abandoning a micro-batch); afterwards the frames work natively again and
     may join a new session.
+
+    Example::
+
+        try:
+            with ckptfx.recompute_session_ctx("mb0", retain_on_unpack=True):
+                dx = torch.autograd.grad(out, x, g, retain_graph=True)
+            with ckptfx.recompute_session_ctx("mb0", retain_on_unpack=False):
+                dw = torch.autograd.grad(out, weights, g)
+        finally:
+            ckptfx.clear_recompute_session("mb0")
     """
     _check_session_id(session_id)
     with _lock:
@@ -394,6 +425,11 @@ def recompute_session_stats() -> dict[Hashable, SessionStats]:
     """Per live session: its frames and the replayed tensors (and bytes) it holds now.
 
     A scheduler reads this to see what a retained replay costs between dx and dw.
+
+    Example::
+
+        for session_id, stats in ckptfx.recompute_session_stats().items():
+            print(session_id, stats.tensors, "tensors,", stats.nbytes, "bytes retained")
     """
     out: dict[Hashable, SessionStats] = {}
     with _lock:

@@ -603,7 +603,7 @@ class _Split:
             work = []
             for g in self.groups:
                 edges: list[GradientEdge] = []
-                seeds: list[torch.Tensor] = []
+                seeds: list[torch.Tensor | None] = []
                 for node in g.intermediates:
                     for i, grad in enumerate(self.captured.get(node, ())):
                         if grad is not None:
@@ -640,24 +640,24 @@ class _Split:
             for saved in self.captured.values():
                 aliases.update(t.untyped_storage().data_ptr() for t in saved if t is not None)
             for i in self.param_slots:
-                g = wgrads[i]
-                if g is None:
+                wg = wgrads[i]
+                if wg is None:
                     continue
                 p = self.weights[i]
                 if p.grad is None:
-                    p.grad = g.clone() if g.untyped_storage().data_ptr() in aliases else g
+                    p.grad = wg.clone() if wg.untyped_storage().data_ptr() in aliases else wg
                     aliases.add(p.grad.untyped_storage().data_ptr())
                 else:
-                    p.grad += g
+                    p.grad += wg
             results = []
             for treedef, slots in self.w_specs:
-                leaves = []
+                leaves: list[torch.Tensor | None] = []
                 for s in slots:
                     if s is None:
                         leaves.append(None)
                     else:
-                        g = wgrads[s]
-                        leaves.append(g if g is not None else torch.zeros_like(self.weights[s]))
+                        wg = wgrads[s]
+                        leaves.append(wg if wg is not None else torch.zeros_like(self.weights[s]))
                 results.append(optree.tree_unflatten(treedef, leaves))
             return _pack(results, len(results) == 1)
         finally:

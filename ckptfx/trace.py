@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import optree
 import torch
@@ -264,6 +264,7 @@ class Segment:
                 rng = op.rng
                 if rng is not None:
                     if rng is _BLOCK_START:
+                        assert frame.env.cpu_rng is not None  # remat frames always capture it
                         torch.set_rng_state(frame.env.cpu_rng)
                     else:
                         _set_rng(rng)
@@ -355,7 +356,7 @@ class Segment:
         return sorted(needed)
 
 
-def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
     """Leaves of an op's arguments and how to rebuild them. Most ops take flat arguments:
     those skip the pytree library (the spec is then ``(len(args), kwarg names)``)."""
     for a in args:
@@ -369,7 +370,7 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     return list(args), (len(args), ())
 
 
-def _unflatten(spec: Any, leaves: list[Any]) -> tuple[tuple, dict]:
+def _unflatten(spec: Any, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if type(spec) is tuple:
         n, names = spec
         return tuple(leaves[:n]), dict(zip(names, leaves[n:])) if names else {}
@@ -484,7 +485,7 @@ class Tracer(_compat.TorchDispatchMode):
         self.held: dict[tuple[int, int], tuple[torch.Tensor, int, Any]] = {}
         self.pinned = frame.env.device_type is not None
         # Generator key -> the last random op that drew from it, and op -> its keys (Rule 3b).
-        self.last_draw: dict[Any, int] = {}
+        self.last_draw: dict[Hashable, int] = {}
         self.draw_keys: dict[int, frozenset[Any]] = {}
         for i, t in enumerate(inputs):
             if id(t) not in self.ids:
@@ -498,7 +499,7 @@ class Tracer(_compat.TorchDispatchMode):
         ``_BLOCK_START`` for the block's first draw from the CPU generator (the frame
         captured that state when the block started), else the states themselves."""
         if gens:
-            keys = frozenset(id(g) for g in gens)
+            keys: frozenset[Hashable] = frozenset(id(g) for g in gens)
         else:
             if isinstance(device, str):
                 device = torch.device(device)
@@ -546,7 +547,8 @@ class Tracer(_compat.TorchDispatchMode):
         _stack.tracers.pop()
         return super().__exit__(*exc)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         seg = self.seg
         info = _OP_INFO.get(func) or _op_info(func)
@@ -726,7 +728,8 @@ class Tracer(_compat.TorchDispatchMode):
         # the C++ graph, leaking every graph that is dropped without a backward.
         kept = _compat.detach_unrecorded(x)
         if isinstance(decision, Offload):
-            packed = _Offloaded(kept, self.pinned and decision.dst == "pinned_host")
+            packed: _Kept | _Offloaded = _Offloaded(kept,
+                                                   self.pinned and decision.dst == "pinned_host")
             self._note("offloaded", x, slot, version)
         else:
             packed = _Kept(kept)

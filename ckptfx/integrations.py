@@ -1,0 +1,204 @@
+"""One-line integration: checkpoint a model's repeated blocks with ckptfx.
+
+``apply_activation_checkpointing(model)`` is ckptfx's counterpart of
+``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing``,
+with the blocks found for you. Rules:
+
+1. **Which blocks.** ``check_fn(module)`` when given; otherwise, in this order, the first
+   that finds any: Hugging Face ``GradientCheckpointingLayer``s (the decoder/encoder
+   layers), the modules in timm's ``blocks`` containers, the modules of the model's largest
+   ``nn.ModuleList`` whose modules all have one type. Only the outermost matches are
+   wrapped (a checkpoint inside a checkpoint only adds replays), never the model itself.
+2. **How.** Hugging Face layers through their own hook (``gradient_checkpointing`` and
+   ``_gradient_checkpointing_func``, the attributes ``model.gradient_checkpointing_enable``
+   sets), so that Hugging Face keeps doing what it does around a checkpointed layer: no
+   checkpointing in eval mode, the KV cache dropped in training (a replay would append to it
+   twice), module hooks (FSDP2's) outside the replay. Every other block through
+   ``checkpoint_wrapper``, which changes the module's class in place.
+3. **What stays the same.** Parameter names and ``state_dict`` keys, ``isinstance``,
+   ``torch.save(model)`` / ``torch.load`` and the gradients, bit for bit.
+4. **Bad input fails before anything changes**: a bad policy, a ``check_fn`` that is not
+   callable or matches nothing, or a model with no repeated blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, TypeVar
+
+from torch import nn
+
+from .checkpoint import checkpoint, checkpoint_wrapper
+from .policies import check_policy
+
+__all__ = ["apply_activation_checkpointing", "find_blocks"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def apply_activation_checkpointing(
+    model: M,
+    policy: Callable[..., Any] | None = None,
+    check_fn: Callable[[nn.Module], bool] | None = None,
+    *,
+    early_stop: bool = True,
+) -> M:
+    """Checkpoint ``model``'s repeated blocks in place; returns ``model``.
+
+    Args:
+        model: any ``nn.Module``: a Hugging Face transformers model, a timm model, or your
+            own (its blocks in an ``nn.ModuleList``, or say which with ``check_fn``).
+        policy: what each block keeps, as in ``ckptfx.remat(policy=...)``: a
+            ``ckptfx.checkpoint_policies`` policy or a torch selective-checkpoint policy
+            function. ``None`` (default): a plain ``ckptfx.checkpoint`` of each block
+            (only its inputs kept, everything else recomputed).
+        check_fn: ``check_fn(module) -> bool`` picks the modules to wrap (the outermost
+            matches; the model itself is never wrapped). ``None`` (default) finds the
+            repeated blocks as ``find_blocks`` does.
+        early_stop: as in ``ckptfx.checkpoint``.
+
+    Raises:
+        TypeError: ``model`` is not a module, ``check_fn`` is not callable, or ``policy``
+            is not a policy.
+        ValueError: no block was found, or ``check_fn`` matched no module.
+
+    Calling it again updates the policy of the blocks it finds. Each block can be undone
+    with ``ckptfx.unwrap_checkpoint`` (Hugging Face models:
+    ``model.gradient_checkpointing_disable()``).
+
+    Example::
+
+        import ckptfx
+        from ckptfx import checkpoint_policies as cp
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("gpt2"))
+        ckptfx.apply_activation_checkpointing(model, policy=cp.dots_saveable)
+        model(input_ids, labels=input_ids).loss.backward()
+
+        # your own model: say which modules are the blocks
+        ckptfx.apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, MyBlock))
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if policy is not None:
+        check_policy(policy, "policy")
+    if check_fn is not None and not callable(check_fn):
+        raise TypeError(
+            "check_fn must be a callable taking a module and returning a bool (e.g. "
+            f"lambda m: isinstance(m, MyBlock)), got {type(check_fn).__name__}"
+        )
+    if not isinstance(early_stop, bool):
+        raise TypeError(f"early_stop must be a bool, got {type(early_stop).__name__}")
+    if check_fn is None:
+        blocks = find_blocks(model)
+    else:
+        blocks = _outermost(model, lambda m: bool(check_fn(m)))
+        if not blocks:
+            raise ValueError(
+                f"check_fn matched no submodule of {type(model).__name__} (the model itself "
+                "is never wrapped: use ckptfx.checkpoint_wrapper(model) for that)"
+            )
+    layer_class = _hf_layer_class()
+    hf = [b for b in blocks if layer_class is not None and isinstance(b, layer_class)]
+    if hf:
+        _enable_hf(model, hf, policy, early_stop)
+    options: dict[str, Any] = {"early_stop": early_stop}
+    if policy is not None:
+        options["policy"] = policy
+    for block in blocks:
+        if not (layer_class is not None and isinstance(block, layer_class)):
+            checkpoint_wrapper(block, **options)
+    return model
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks ``apply_activation_checkpointing`` wraps when given no
+    ``check_fn``, in model order.
+
+    The first of these that finds any: Hugging Face ``GradientCheckpointingLayer``s; for a
+    timm model, the modules of its ``blocks`` containers (``nn.Sequential`` or
+    ``nn.ModuleList`` attributes named ``blocks``, as in ViT, Swin, ConvNeXt); else the
+    modules of the model's largest ``nn.ModuleList`` whose modules all have one type (the
+    first such list on a tie). A ``ValueError`` says what to pass when there is none.
+
+    Example::
+
+        >>> [type(b).__name__ for b in ckptfx.integrations.find_blocks(llama)]
+        ['LlamaDecoderLayer', 'LlamaDecoderLayer']
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    layer_class = _hf_layer_class()
+    if layer_class is not None:
+        found = _outermost(model, lambda m: isinstance(m, layer_class))
+        if found:
+            return found
+    if type(model).__module__.split(".")[0] == "timm":
+        containers = [m for m in model.modules()
+                      if isinstance(getattr(m, "blocks", None), (nn.Sequential, nn.ModuleList))]
+        members = {id(b) for c in containers for b in c.blocks}  # type: ignore[union-attr]
+        found = _outermost(model, lambda m: id(m) in members)
+        if found:
+            return found
+    best: nn.ModuleList | None = None
+    for m in model.modules():
+        if (isinstance(m, nn.ModuleList) and len(m) > 0
+                and len({type(b) for b in m}) == 1
+                and (best is None or len(m) > len(best))):
+            best = m
+    if best is None:
+        raise ValueError(
+            f"apply_activation_checkpointing found no repeated blocks in "
+            f"{type(model).__name__}: no Hugging Face GradientCheckpointingLayer, no timm "
+            "'blocks', and no nn.ModuleList of modules of one type. Say which modules to "
+            "checkpoint: check_fn=lambda m: isinstance(m, MyBlock)"
+        )
+    return list(best)
+
+
+def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The submodules that match and have no matching ancestor below ``model``."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if match(child):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def _hf_layer_class() -> type | None:
+    """transformers' ``GradientCheckpointingLayer``, if transformers is already imported (a
+    model built with it must have imported it; ckptfx does not import transformers)."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    layer_class = getattr(layers, "GradientCheckpointingLayer", None)
+    return layer_class if isinstance(layer_class, type) else None
+
+
+def _enable_hf(model: nn.Module, layers: list[nn.Module], policy: Callable[..., Any] | None,
+               early_stop: bool) -> None:
+    """Turn on Hugging Face's own checkpointing of ``layers``, with ckptfx's checkpoint.
+
+    The flag is also set on the other modules that carry it (the model classes, e.g.
+    ``GPT2Model``), which read it to drop the KV cache in training, as
+    ``gradient_checkpointing_enable`` does.
+    """
+    options: dict[str, Any] = {"early_stop": early_stop}
+    if policy is not None:
+        options["policy"] = policy
+    func = functools.partial(checkpoint, **options)
+    chosen = {id(layer) for layer in layers}
+    layer_class = _hf_layer_class()
+    for m in model.modules():
+        if not hasattr(m, "gradient_checkpointing"):
+            continue
+        if layer_class is not None and isinstance(m, layer_class) and id(m) not in chosen:
+            continue
+        setattr(m, "_gradient_checkpointing_func", func)
+        setattr(m, "gradient_checkpointing", True)

@@ -1,0 +1,475 @@
+"""apply_activation_checkpointing and checkpoint(policy=...): blocks found, gradients bitwise.
+
+Own models first (no extra packages), then Hugging Face transformers models with random
+weights and tiny configs (skipped with a reason when transformers is not installed), then
+a timm ViT (skipped when timm cannot be imported).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+import ckptfx
+from ckptfx import checkpoint_policies as cp
+from ckptfx.integrations import find_blocks
+
+from conftest import OpCounter, assert_bitwise, maybe_autocast
+
+pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8, p: float = 0.1) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(p)
+        self.calls = 0  # forward runs, replays included
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.heads = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])  # shorter list
+        self.blocks = nn.ModuleList([Block() for _ in range(n)])
+        self.mixed = nn.ModuleList([nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.GELU()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.heads[0](h)
+
+
+def _grads(model: nn.Module, x: torch.Tensor, autocast: bool = False
+           ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    torch.manual_seed(7)
+    with maybe_autocast(autocast):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    return loss.detach(), [x.grad, *(p.grad for p in model.parameters())]
+
+
+def _sac_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
+    """A torch selective-checkpoint policy function (module level: picklable)."""
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# -- finding blocks ------------------------------------------------------------------------
+
+
+def test_find_blocks_takes_the_largest_module_list_of_one_type() -> None:
+    net = Net()
+    assert find_blocks(net) == list(net.blocks)  # not `heads` (shorter), not `mixed` (types)
+
+
+def test_find_blocks_without_repeated_blocks_says_to_pass_check_fn() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match="check_fn=lambda m: isinstance"):
+        ckptfx.apply_activation_checkpointing(model)
+    assert type(model[0]) is nn.Linear  # nothing changed
+
+
+def test_check_fn_wraps_the_outermost_matches_and_never_the_model() -> None:
+    net = Net()
+    ckptfx.apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, (Net, Block,
+                                                                                  nn.Linear)))
+    assert type(net) is Net
+    assert all(type(b) is not Block and isinstance(b, Block) for b in net.blocks)
+    assert all(type(lin) is nn.Linear for b in net.blocks for lin in (b.up, b.down))
+    assert type(net.embed) is not nn.Linear  # a Linear outside the blocks matches too
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    ({"check_fn": 3}, TypeError, "check_fn must be a callable"),
+    ({"check_fn": lambda m: False}, ValueError, "check_fn matched no submodule"),
+    ({"policy": cp.save_only_these_names}, TypeError, "policy factory"),
+    ({"policy": "dots"}, TypeError, "policy must be a checkpoint policy"),
+    ({"early_stop": 1}, TypeError, "early_stop must be a bool"),
+])
+def test_bad_input_leaves_the_model_unchanged(kwargs: dict[str, Any], exc: type,
+                                              words: str) -> None:
+    net = Net()
+    with pytest.raises(exc, match=words):
+        ckptfx.apply_activation_checkpointing(net, **kwargs)
+    assert all(type(b) is Block for b in net.blocks)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        ckptfx.apply_activation_checkpointing(lambda x: x)  # type: ignore[type-var]
+
+
+# -- own models: parity, replays, state ----------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("policy", [None, cp.dots_saveable, cp.nothing_saveable, _sac_mm],
+                         ids=["checkpoint", "dots_saveable", "nothing_saveable", "torch_sac"])
+def test_own_model_gradients_bitwise(policy: Any, autocast: bool) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(4, 8)
+    loss, expected = _grads(net, x, autocast)
+    assert [b.calls for b in net.blocks] == [1, 1, 1]
+    keys = list(net.state_dict())
+    assert ckptfx.apply_activation_checkpointing(net, policy=policy) is net
+    got_loss, got = _grads(net, x, autocast)
+    assert torch.equal(got_loss, loss)
+    assert_bitwise(got, expected)
+    assert list(net.state_dict()) == keys
+    assert all(isinstance(b, Block) for b in net.blocks)
+    # A plain checkpoint re-runs each block's forward once in the backward; a policy
+    # replays the recorded ops instead (the Python forward runs once).
+    assert [b.calls for b in net.blocks] == [3, 3, 3] if policy is None else [2, 2, 2]
+
+
+def test_policy_decides_what_the_backward_recomputes() -> None:
+    """Count the matmuls of one backward: dots_saveable (and torch's MUST_SAVE for mm) keep
+    every matmul output, as no checkpoint does; nothing_saveable recomputes them."""
+    x = torch.randn(4, 8)
+
+    def backward_mms(policy: Any, wrap: bool) -> int:
+        torch.manual_seed(0)
+        net = Net()
+        if wrap:
+            ckptfx.apply_activation_checkpointing(net, policy=policy)
+        loss = net(x.requires_grad_()).sum()
+        with OpCounter() as ops:
+            loss.backward()
+        return ops.counts.get("mm", 0) + ops.counts.get("addmm", 0)
+
+    plain = backward_mms(None, wrap=False)
+    assert backward_mms(cp.dots_saveable, wrap=True) == plain
+    assert backward_mms(_sac_mm, wrap=True) == plain
+    assert backward_mms(cp.nothing_saveable, wrap=True) == plain + 6  # 3 blocks x 2 Linears
+    assert backward_mms(None, wrap=True) == plain + 6
+
+
+@pytest.mark.parametrize("policy", [None, cp.dots_saveable, _sac_mm],
+                         ids=["checkpoint", "dots_saveable", "torch_sac"])
+def test_torch_save_and_load_keep_the_checkpointing(policy: Any) -> None:
+    torch.manual_seed(0)
+    net = ckptfx.apply_activation_checkpointing(Net(), policy=policy)
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded.blocks[0]) is type(net.blocks[0])
+    assert loaded.state_dict().keys() == net.state_dict().keys()
+    x = torch.randn(4, 8)
+    _, expected = _grads(net, x)
+    calls = [b.calls for b in loaded.blocks]
+    _, got = _grads(loaded, x)
+    assert_bitwise(got, expected)
+    assert [b.calls - c for b, c in zip(loaded.blocks, calls)] == [2 if policy is None else 1] * 3
+
+
+def test_differential_against_torch_apply_activation_checkpointing() -> None:
+    """torch's apply_activation_checkpointing (non-reentrant wrapper) and ckptfx's on the
+    same model: the same gradients and block runs as no checkpoint's (plus one replay per
+    block); torch's renames every parameter of a block (its state_dict hooks strip the
+    prefix again), ckptfx's renames nothing."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrap
+
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    plain = Net()
+    _, expected = _grads(plain, x)
+    runs: dict[str, list[int]] = {}
+    for variant in ("torch", "ckptfx"):
+        torch.manual_seed(0)
+        net = Net()
+        keys = list(net.state_dict())
+        names = [n for n, _ in net.named_parameters()]
+        if variant == "torch":
+            torch_wrap.apply_activation_checkpointing(
+                net, checkpoint_wrapper_fn=functools.partial(
+                    torch_wrap.checkpoint_wrapper,
+                    checkpoint_impl=torch_wrap.CheckpointImpl.NO_REENTRANT),
+                check_fn=lambda m: isinstance(m, Block))
+            blocks = [b._checkpoint_wrapped_module for b in net.blocks]
+            assert any("_checkpoint_wrapped_module" in n for n, _ in net.named_parameters())
+        else:
+            ckptfx.apply_activation_checkpointing(net)
+            blocks = list(net.blocks)
+            assert [n for n, _ in net.named_parameters()] == names
+        assert list(net.state_dict()) == keys
+        _, got = _grads(net, x)
+        assert_bitwise(got, expected)
+        runs[variant] = [b.calls for b in blocks]
+    assert runs["torch"] == runs["ckptfx"] == [2, 2, 2]
+
+
+def test_applying_again_updates_the_policy() -> None:
+    net = ckptfx.apply_activation_checkpointing(Net(), policy=cp.dots_saveable)
+    ckptfx.apply_activation_checkpointing(net)
+    assert net.blocks[0]._ckptfx_options == {"early_stop": True}
+    ckptfx.unwrap_checkpoint(net.blocks[0])
+    assert type(net.blocks[0]) is Block
+
+
+# -- checkpoint(policy=...) ----------------------------------------------------------------
+
+
+def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.dropout(torch.tanh(x @ w1), 0.2) @ w2
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_checkpoint_policy_against_torch_selective_checkpoint(autocast: bool) -> None:
+    """The same policy function under no checkpoint, torch's selective checkpoint and
+    ckptfx.checkpoint(policy=...): the same gradients, the same backward matmuls."""
+    torch.manual_seed(0)
+    args = [torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True),
+            torch.randn(8, 8, requires_grad=True)]
+
+    def run(variant: str) -> tuple[list[torch.Tensor], dict[str, int]]:
+        torch.manual_seed(3)
+        with maybe_autocast(autocast):
+            if variant == "plain":
+                out = _mlp(*args)
+            elif variant == "torch":
+                out = torch_checkpoint.checkpoint(
+                    _mlp, *args, use_reentrant=False,
+                    context_fn=functools.partial(
+                        torch_checkpoint.create_selective_checkpoint_contexts, _sac_mm))
+            else:
+                out = ckptfx.checkpoint(_mlp, *args, policy=_sac_mm)
+        with OpCounter() as ops:
+            g = torch.autograd.grad(out.float().sum(), args)
+        return list(g), ops.counts
+
+    plain, plain_ops = run("plain")
+    for variant in ("torch", "ckptfx"):
+        got, ops = run(variant)
+        assert_bitwise(got, plain)
+        assert ops.get("mm", 0) == plain_ops.get("mm", 0)
+
+
+@pytest.mark.parametrize("options, exc, words", [
+    ({"context_fn": torch_checkpoint.noop_context_fn, "policy": cp.dots_saveable}, None, None),
+    ({"context_fn": lambda: (None, None), "policy": cp.dots_saveable}, ValueError,
+     "pass one of them"),
+    ({"debug": True, "policy": cp.dots_saveable}, ValueError, "Drop debug=True"),
+    ({"policy": cp.save_only_these_names}, TypeError, "policy factory"),
+    ({"policy": 3}, TypeError, "policy must be a checkpoint policy"),
+])
+def test_checkpoint_policy_bad_input(options: dict[str, Any], exc: type | None,
+                                     words: str | None) -> None:
+    x = torch.randn(2, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    if exc is None:
+        ckptfx.checkpoint(_mlp, x, w, w, **options).sum().backward()
+        return
+    with pytest.raises(exc, match=words):
+        ckptfx.checkpoint(_mlp, x, w, w, **options)
+
+
+def test_checkpoint_wrapper_name_policy_warns_once_per_module() -> None:
+    torch.manual_seed(0)
+    block = ckptfx.checkpoint_wrapper(Block(), policy=cp.save_only_these_names("attn_out"))
+    x = torch.randn(2, 8)
+    with pytest.warns(ckptfx.UnusedNameWarning, match="attn_out"):
+        block(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        block(x).sum().backward()
+
+
+def test_checkpoint_policy_under_torch_compile_matches_eager() -> None:
+    """Under torch.compile the policy is handed to torch's checkpoint as a selective
+    checkpoint context (aot_eager: the partitioner, without the C++ compiler), made by the
+    eager call before (dynamo takes a context_fn only as a constant)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, w1, w2 = (torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True),
+                 torch.randn(8, 8, requires_grad=True))
+
+    def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w1) @ w2
+
+    ckptfx.checkpoint(block, x, w1, w2, policy=cp.dots_saveable)
+    compiled = torch.compile(lambda *a: ckptfx.checkpoint(block, *a, policy=cp.dots_saveable),
+                             backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, w1, w2).sum(), [x, w1, w2])
+    expected = torch.autograd.grad(block(x, w1, w2).sum(), [x, w1, w2])
+    assert_bitwise(list(got), list(expected))
+
+
+# -- Hugging Face transformers -------------------------------------------------------------
+
+
+def _hf_model(family: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                  attention_dropout=0.1)
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                         n_positions=32)  # dropouts: 0.1 by default
+        cls = transformers.GPT2LMHeadModel
+    else:
+        config_cls, cls = {
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        }[family]
+        config = config_cls(**common)
+    torch.manual_seed(0)
+    model = cls(config)
+    model.train()
+    return model
+
+
+def _hf_step(model: nn.Module, ids: torch.Tensor, autocast: bool
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(11)
+    with maybe_autocast(autocast):
+        # use_cache=False, as checkpointing forces: a KV cache built in the unchecked run
+        # changes GPT-2's attention numerics with dropout on (measured, with torch's
+        # checkpoint as with ckptfx's).
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+def _assert_same_step(got: tuple[torch.Tensor, dict[str, torch.Tensor]],
+                      expected: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+    assert torch.equal(got[0], expected[0]), (got[0], expected[0])
+    assert got[1].keys() == expected[1].keys() and len(got[1]) > 0
+    for name in expected[1]:
+        assert torch.equal(got[1][name], expected[1][name]), name
+
+
+def _count_mlp_calls(model: nn.Module) -> list[int]:
+    """Forward runs of each layer's MLP (inside the checkpointed layer forward; a pre-hook,
+    since an early-stopped replay ends inside the MLP)."""
+    counts: list[int] = []
+    for layer in find_blocks(model):
+        mlp = layer.mlp
+        counts.append(0)
+        i = len(counts) - 1
+        mlp.register_forward_pre_hook(lambda *a, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("policy", [None, cp.dots_saveable], ids=["checkpoint", "dots"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_hf_model_gradients_bitwise(family: str, policy: Any, autocast: bool) -> None:
+    model = _hf_model(family)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = _hf_step(model, ids, autocast)
+    keys = list(model.state_dict())
+    layers = find_blocks(model)
+    assert len(layers) == 2 and all(type(b).__name__.endswith(("DecoderLayer", "Block"))
+                                    for b in layers)
+    ckptfx.apply_activation_checkpointing(model, policy=policy)
+    assert model.is_gradient_checkpointing
+    counts = _count_mlp_calls(model)
+    _assert_same_step(_hf_step(model, ids, autocast), expected)
+    assert counts == ([2, 2] if policy is None else [1, 1])  # forward (+ one replay)
+    assert list(model.state_dict()) == keys
+    assert all(type(b) is type(layers[0]) for b in find_blocks(model))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hf_gpt2_differential_against_torch_checkpoint() -> None:
+    """Through Hugging Face's own switch: no checkpoint, torch's checkpoint, ckptfx's (with
+    and without a policy) give the same loss and gradients, bit for bit."""
+    model = _hf_model("gpt2")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = _hf_step(model, ids, autocast=False)
+    for func in (functools.partial(torch_checkpoint.checkpoint, use_reentrant=False),
+                 ckptfx.checkpoint, functools.partial(ckptfx.checkpoint, policy=cp.dots_saveable)):
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
+        _assert_same_step(_hf_step(model, ids, autocast=False), expected)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hf_gradient_checkpointing_func_with_a_policy() -> None:
+    """Hugging Face's own switch, with ckptfx's checkpoint and a policy."""
+    model = _hf_model("llama")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = _hf_step(model, ids, autocast=False)
+    model._set_gradient_checkpointing(
+        enable=True,
+        gradient_checkpointing_func=functools.partial(ckptfx.checkpoint,
+                                                      policy=cp.dots_saveable))
+    with OpCounter() as ops:
+        got = _hf_step(model, ids, autocast=False)
+    _assert_same_step(got, expected)
+    model.gradient_checkpointing_disable()
+    with OpCounter() as plain_ops:
+        _hf_step(model, ids, autocast=False)
+    assert ops.counts["mm"] == plain_ops.counts["mm"]  # every matmul kept, none recomputed
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hf_model_torch_save_and_load() -> None:
+    model = ckptfx.apply_activation_checkpointing(_hf_model("gpt2"), policy=cp.dots_saveable)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = _hf_step(model, ids, autocast=False)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.is_gradient_checkpointing
+    _assert_same_step(_hf_step(loaded, ids, autocast=False), expected)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hf_eval_mode_does_not_checkpoint() -> None:
+    model = ckptfx.apply_activation_checkpointing(_hf_model("llama"))
+    model.eval()
+    counts = _count_mlp_calls(model)
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert counts == [1, 1]
+
+
+# -- timm ----------------------------------------------------------------------------------
+
+
+def _import_timm() -> Any:
+    try:
+        import timm
+    except Exception as err:  # a torchvision that does not match torch fails at import too
+        pytest.skip(f"timm cannot be imported here: {type(err).__name__}: {err}")
+    return timm
+
+
+@pytest.mark.parametrize("policy", [None, cp.dots_saveable], ids=["checkpoint", "dots"])
+def test_timm_vit_gradients_bitwise(policy: Any) -> None:
+    timm = _import_timm()
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
+                              patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                              num_classes=4, drop_rate=0.1, proj_drop_rate=0.1,
+                              attn_drop_rate=0.1)
+    model.train()
+    assert find_blocks(model) == list(model.blocks)
+    x = torch.randn(2, 3, 32, 32)
+    loss, expected = _grads(model, x)
+    ckptfx.apply_activation_checkpointing(model, policy=policy)
+    got_loss, got = _grads(model, x)
+    assert torch.equal(got_loss, loss)
+    assert_bitwise(got, expected)
