@@ -297,7 +297,10 @@ def _bench(args: argparse.Namespace) -> None:
                          f"{args.device!r}") from None
     if args.threads < 1:
         raise UsageError(f"--threads expects a positive integer, got {args.threads}")
-    bench.bench(mode, args.out, args.device, variants, args.threads, args.markdown)
+    if args.jobs < 0:
+        raise UsageError(f"--jobs expects 0 (one per core) or a positive integer, got "
+                         f"{args.jobs}")
+    bench.bench(mode, args.out, args.device, variants, args.threads, args.markdown, args.jobs)
 
 
 # -- the parser -----------------------------------------------------------------------------
@@ -345,6 +348,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     b.add_argument("--variants", metavar="A,B",
                    help="comma-separated variant names (default: all that fit the device)")
     b.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    b.add_argument("--jobs", type=int, default=0,
+                   help="memory subprocesses at a time (default: one per core, at most 4)")
     b.add_argument("--markdown", action="store_true",
                    help="also print the headline table as markdown")
     return parser, subs

@@ -25,7 +25,7 @@ from . import report, sweep
 from .plot import PLOT_HINT, have_matplotlib, write_plots
 from .variants import VARIANTS, available
 
-__all__ = ["MODES", "bench", "default_variants"]
+__all__ = ["MODES", "bench", "default_variants", "write_outputs"]
 
 MODES = {"full": sweep.FULL, "quick": sweep.QUICK, "tiny": sweep.TINY}
 # --quick keeps three budget points (the ends and the middle): each variant costs a fresh
@@ -44,8 +44,10 @@ def default_variants(mode: str, device: str) -> list[str]:
 
 def bench(mode: str = "quick", out: str | None = None, device: str = "cpu",
           variants: Sequence[str] | None = None, threads: int = 1,
-          markdown: bool = False) -> dict:
-    """Run the bench, print its tables, write ``results.json`` (and plots) into ``out``."""
+          markdown: bool = False, jobs: int = 0) -> dict:
+    """Run the bench, print its tables, write ``results.json`` (and plots) into ``out``.
+
+    ``jobs``: memory subprocesses at a time (0: one per CPU core, at most 4)."""
     cfg = dataclasses.replace(MODES[mode], device=device, threads=threads)
     names = list(variants) if variants else default_variants(mode, device)
     if "none" in names:
@@ -56,21 +58,28 @@ def bench(mode: str = "quick", out: str | None = None, device: str = "cpu",
          f"{cfg.layers} layers, dim {cfg.dim}, batch {cfg.batch} x seq {cfg.seq}, {device}, "
          f"{threads} thread(s)")
     with progress("measuring", sweep.steps_of(cfg, names, ks)) as bar:
-        results = sweep.run(cfg, names, ks, advance=bar.advance, mode=mode)
+        results = sweep.run(cfg, names, ks, advance=bar.advance, mode=mode,
+                            memory_jobs=jobs if jobs else min(4, os.cpu_count() or 1))
     report.print_results(results)
     if markdown:
         print(report.markdown(results))
     if out is not None:
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, "results.json")
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-        with open(os.path.join(out, "table.md"), "w") as f:
-            f.write(report.markdown(results))
-        written = [path, os.path.join(out, "table.md")]
-        if have_matplotlib():
-            written += write_plots(results, out)
-            note("wrote " + ", ".join(written))
-        else:
-            note("wrote " + ", ".join(written) + f"; the PNG plots need matplotlib: {PLOT_HINT}")
+        write_outputs(results, out)
     return results
+
+
+def write_outputs(results: dict, out: str) -> list[str]:
+    """Write ``results.json``, ``table.md`` and (with matplotlib) the PNG plots into ``out``;
+    say what was written, and how to get the plots when matplotlib is missing."""
+    os.makedirs(out, exist_ok=True)
+    written = [os.path.join(out, "results.json"), os.path.join(out, "table.md")]
+    with open(written[0], "w") as f:
+        json.dump(results, f, indent=1)
+    with open(written[1], "w") as f:
+        f.write(report.markdown(results))
+    if have_matplotlib():
+        written += write_plots(results, out)
+        note("wrote " + ", ".join(written))
+    else:
+        note("wrote " + ", ".join(written) + f"; the PNG plots need matplotlib: {PLOT_HINT}")
+    return written

@@ -17,7 +17,7 @@ HEADER = ("variant", "peak memory", "memory vs none", "tokens/s", "tokens/s vs n
 
 
 def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x * 100:+.0f}%"
+    return "n/a" if x is None else f"{round(x * 100):+d}%"  # round(): no "-0%"
 
 
 def headline_rows(results: dict[str, Any]) -> list[list[str]]:

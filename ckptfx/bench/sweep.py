@@ -15,6 +15,7 @@ a source checkout, an editable and a regular install all measure the code that s
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -34,7 +35,7 @@ __all__ = ["QUICK", "FULL", "TINY", "SPLIT_KS", "run"]
 
 # --quick must finish in under two minutes on 2 loaded CPU cores; --tiny is the tests' smoke.
 FULL = BenchConfig(dim=256, layers=4, batch=8, seq=256, steps=2, repeats=2, rounds=7)
-QUICK = BenchConfig(dim=128, layers=2, batch=4, seq=128, steps=2, repeats=1, rounds=5)
+QUICK = BenchConfig(dim=128, layers=2, batch=4, seq=128, steps=2, repeats=1, rounds=9)
 TINY = BenchConfig(dim=32, layers=1, heads=2, kv_heads=1, vocab=64, batch=1, seq=16, steps=1,
                    repeats=1, rounds=1)
 SPLIT_KS = (1, 2, 4, 8)
@@ -128,8 +129,10 @@ def steps_of(cfg: BenchConfig, variants: Sequence[str], ks: Sequence[int]) -> in
 
 
 def run(cfg: BenchConfig, variants: Sequence[str], ks: Sequence[int] = SPLIT_KS,
-        advance: Advance = lambda label: None, mode: str = "custom") -> dict[str, Any]:
-    """Measure ``variants`` (registry names; ``"none"`` first, it is the reference)."""
+        advance: Advance = lambda label: None, mode: str = "custom",
+        memory_jobs: int = 1) -> dict[str, Any]:
+    """Measure ``variants`` (registry names; ``"none"`` first, it is the reference), with up
+    to ``memory_jobs`` memory subprocesses at a time."""
     from .. import __version__
     from .variants import get
 
@@ -138,12 +141,16 @@ def run(cfg: BenchConfig, variants: Sequence[str], ks: Sequence[int] = SPLIT_KS,
         raise ValueError("variants must start with 'none', the reference of every ratio")
     started = datetime.datetime.now(datetime.timezone.utc)
     samples: dict[str, dict[str, list[int]]] = {n: {"peak": [], "held": []} for n in names}
-    for r in range(cfg.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            res = _memory(cfg, name)
-            samples[name]["peak"] += res["peak_bytes"]
-            samples[name]["held"] += res["held_bytes"]
-            advance(f"memory {name}")
+    jobs = [name for r in range(cfg.repeats) for name in (names if r % 2 == 0 else names[::-1])]
+    # Memory subprocesses may run side by side: each reads its own process's peak, which
+    # another process cannot move (one thread each, no timing involved). Timing runs alone.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=memory_jobs) as pool:
+        futures = {pool.submit(_memory, cfg, name): name for name in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            res = future.result()
+            samples[res["variant"]]["peak"] += res["peak_bytes"]
+            samples[res["variant"]]["held"] += res["held_bytes"]
+            advance(f"memory {res['variant']}")
     timing = _time(cfg, names, advance)
     split = _split(cfg, ks, advance)
 
