@@ -207,6 +207,7 @@ def test_bench_tiny_writes_results_and_plots(tmp_path: Path, plain: None,
     res = json.loads((out / "results.json").read_text())
     assert res["ckptfx"] == ckptfx.__version__ and res["torch"] == torch.__version__
     assert res["mode"] == "tiny" and res["config"]["dim"] == 32 and res["date"]
+    assert res["clock"] == "thread_cpu"  # one CPU thread: the step's CPU time
     rows = {r["name"]: r for r in res["variants"]}
     assert list(rows) == ["none", "remat:dots_saveable"]
     for r in rows.values():
@@ -215,6 +216,7 @@ def test_bench_tiny_writes_results_and_plots(tmp_path: Path, plain: None,
             res["tokens_per_step"] / r["step_s"])
         assert isinstance(r["peak_bytes"], (int, float)) and r["peak_bytes"] >= 0
         assert len(r["peak_samples"]) == 1 and len(r["step_s_samples"]) == 1
+        assert r["wall_s"] > 0 and len(r["wall_s_samples"]) == 1
         assert set(r) >= {"label", "family", "held_bytes", "memory_saved",
                           "tokens_per_s_change"}
     assert rows["none"]["tokens_per_s_change"] == 0

@@ -10,7 +10,9 @@ Two kinds of run, each in a fresh process started by ``sweep.py``:
   from one run: each variant's gradients are compared bitwise (``torch.equal``) with the
   plain step's, then after one warm-up step per variant, ``rounds`` rounds time one step of
   each, the order reversed every other round (load drifts on a shared machine); the report
-  is the median per variant. After each timed step a line ``progress NAME`` goes to stdout
+  is the median per variant. On CPU with one thread the clock is the thread's CPU time
+  (``time.thread_time``: the work of the step, which other processes' load cannot stretch),
+  else wall time after a device synchronize; the wall times are reported too. After each timed step a line ``progress NAME`` goes to stdout
   so the parent can move its progress bar.
 
 The result is one JSON line, the last line of stdout.
@@ -127,20 +129,28 @@ def measure_time(cfg: BenchConfig, variants: list[str],
         model.call = call
         bitwise[name] = all(torch.equal(a, b) for a, b in zip(reference, _grads(model, tokens)))
         _step(model, tokens)  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in calls}
+    wall: dict[str, list[float]] = {name: [] for name in calls}
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
     order = list(calls)
     for r in range(cfg.rounds):
         for name in order if r % 2 == 0 else order[::-1]:
             model.call = calls[name]
             gc.collect()
             _sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             _step(model, tokens)
             _sync(device)
-            times[name].append(time.perf_counter() - t0)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.thread_time() - c0)
             report(name)
-    return {"step_s": {n: statistics.median(t) for n, t in times.items()},
-            "step_s_all": times, "bitwise_equal": bitwise}
+    # One CPU thread: the step's own CPU time, which other processes on a shared machine
+    # cannot stretch (wall time there swings 2-3x with their load). Otherwise wall time.
+    clock = "thread_cpu" if device.type == "cpu" and cfg.threads == 1 else "wall"
+    chosen = cpu if clock == "thread_cpu" else wall
+    return {"clock": clock, "step_s": {n: statistics.median(t) for n, t in chosen.items()},
+            "step_s_all": chosen, "wall_s_all": wall,
+            "wall_s": {n: statistics.median(t) for n, t in wall.items()},
+            "bitwise_equal": bitwise}
 
 
 def main(argv: list[str]) -> int:

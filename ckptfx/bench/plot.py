@@ -61,7 +61,8 @@ def write_plots(results: dict[str, Any], out_dir: str) -> list[str]:
         if family != "budget" and any(r["family"] == family for r in rows):
             ax.scatter([], [], color=colour, label=family)
     c = results["config"]
-    ax.set_xlabel("step time, ms (median; forward + backward)")
+    clock = "CPU time" if results.get("clock") == "thread_cpu" else "time"
+    ax.set_xlabel(f"step {clock}, ms (median; forward + backward)")
     ax.set_ylabel("peak memory above the step's start, MiB")
     ax.set_title(f"Llama-style, {c['layers']} layers, dim {c['dim']}, batch {c['batch']} x seq "
                  f"{c['seq']}, {c['device']} ({results['date']})", fontsize=9)

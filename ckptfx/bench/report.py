@@ -32,9 +32,10 @@ def headline_rows(results: dict[str, Any]) -> list[list[str]]:
 
 def _shape(results: dict[str, Any]) -> str:
     c = results["config"]
+    clock = " (step CPU time)" if results.get("clock") == "thread_cpu" else ""
     return (f"Llama-style decoder, {c['layers']} layers, dim {c['dim']}, {c['heads']} heads "
             f"({c['kv_heads']} kv), batch {c['batch']} x seq {c['seq']}, {c['device']}, "
-            f"{c['threads']} thread(s)")
+            f"{c['threads']} thread(s){clock}")
 
 
 def print_results(results: dict[str, Any]) -> None:

@@ -164,6 +164,8 @@ def run(cfg: BenchConfig, variants: Sequence[str], ks: Sequence[int] = SPLIT_KS,
                      "peak_bytes": peak, "held_bytes": statistics.median(samples[name]["held"]),
                      "peak_samples": samples[name]["peak"], "step_s": step,
                      "step_s_samples": timing["step_s_all"][name],
+                     "wall_s": timing["wall_s"][name],
+                     "wall_s_samples": timing["wall_s_all"][name],
                      "tokens_per_s": tokens / step,
                      "bitwise_equal": timing["bitwise_equal"][name]})
     ref = rows[0]
@@ -179,6 +181,7 @@ def run(cfg: BenchConfig, variants: Sequence[str], ks: Sequence[int] = SPLIT_KS,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "processor": platform.processor() or platform.machine()},
         "mode": mode, "config": dataclasses.asdict(cfg), "tokens_per_step": tokens,
+        "clock": timing["clock"],
         "method": {
             "memory": ("peak above the step's start over forward + backward, after one "
                        "warm-up step, in a fresh subprocess per variant: the resident set "
@@ -186,7 +189,10 @@ def run(cfg: BenchConfig, variants: Sequence[str], ks: Sequence[int] = SPLIT_KS,
                        "an accelerator; median over steps and subprocesses"),
             "time": ("median step time (forward + backward) after one warm-up step per "
                      "variant, variants alternated in one subprocess, "
-                     f"{cfg.threads} thread(s)"),
+                     f"{cfg.threads} thread(s); clock: " + (
+                         "the thread's CPU time (one CPU thread: other processes' load "
+                         "cannot stretch it; wall times in wall_s)"
+                         if timing["clock"] == "thread_cpu" else "wall time")),
             "split": ("replays per block per micro-batch for dx + k dw autograd calls, "
                       "counted inside the blocks"),
         },
