@@ -20,7 +20,7 @@ import inspect
 import io
 import os
 import sys
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import ckptfx
 
 from ._term import human_bytes, note, rule, table
+from .bench.sweep import BenchError
 
 __all__ = ["main", "parse_policy", "parse_shape"]
 
@@ -367,18 +368,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             _bench(args)
     except UsageError as err:
-        _usage_error(subs[args.command], str(err))
-    except RuntimeError as err:
-        from .bench.sweep import BenchError
-
-        if not isinstance(err, BenchError):
-            raise
+        subs[args.command].error(str(err))  # usage, the message, exit status 2
+    except BenchError as err:
         print(f"ckptfx {args.command}: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-
-
-def _usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    parser.error(message)
 
 
 if __name__ == "__main__":
