@@ -292,10 +292,14 @@ def _bench(args: argparse.Namespace) -> None:
             raise UsageError(f"--variants: unknown {', '.join(map(repr, unknown))}; expected "
                              f"comma-separated names from: {', '.join(VARIANTS)}")
     try:
-        torch.device(args.device)
+        device = torch.device(args.device)
     except RuntimeError:
         raise UsageError(f"--device expects a torch device such as cpu or cuda, got "
                          f"{args.device!r}") from None
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if device.type != "cpu" and (acc is None or acc.type != device.type):
+        raise UsageError(f"--device {args.device}: no {device.type} device here (available: "
+                         f"cpu{', ' + acc.type if acc is not None else ''})")
     if args.threads < 1:
         raise UsageError(f"--threads expects a positive integer, got {args.threads}")
     if args.jobs < 0:

@@ -168,6 +168,8 @@ def test_parse_policy_factories_with_arguments() -> None:
     (["residuals", "--shape", "2,4"], "--shape goes with a MODULE:FUNCTION target"),
     (["bench", "--variants", "none,bogus"], "--variants: unknown 'bogus'; expected"),
     (["bench", "--device", "nodevice"], "--device expects a torch device"),
+    pytest.param(["bench", "--device", "cuda"], "--device cuda: no cuda device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")),
     (["bench", "--threads", "0"], "--threads expects a positive integer"),
     (["bench", "--quick", "--full"], "not allowed with argument"),
     (["nocommand"], "invalid choice: 'nocommand'"),
