@@ -10,6 +10,8 @@ default policy: keep nothing but the inputs). Models:
 - ``llama``: ``transformers``' ``LlamaDecoderLayer`` from a small ``LlamaConfig`` built here
   (no download), rotary embeddings from ``LlamaRotaryEmbedding``, computed once outside the
   layers as ``LlamaModel`` does. Skipped with a note when transformers is not importable.
+- ``llama_style``: ``ckptfx.bench.llama.DecoderLayer``, the Llama-style layer ``ckptfx bench``
+  measures (no transformers needed), rotary tables computed once outside the layers.
 
 Each (model, variant, repeat) runs in a fresh subprocess started with
 ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors go back to the OS, so ``VmHWM`` means
@@ -43,7 +45,7 @@ import time
 from _memory import MMAP_ENV, MMAP_VALUE
 
 VARIANTS = ("none", "torch", "ckptfx", "remat")
-MODELS = ("encoder", "block", "llama")
+MODELS = ("encoder", "block", "llama", "llama_style")
 MIB = 2**20
 
 
@@ -99,6 +101,13 @@ def _child(cfg: dict) -> dict:
             return fn
 
         fns = [layer_fn(m) for m in mods]
+    elif model == "llama_style":
+        from ckptfx.bench.llama import DecoderLayer, LlamaConfig, rotary_tables
+
+        lconf = LlamaConfig(dim=d, layers=cfg["layers"])
+        mods = [DecoderLayer(lconf) for _ in range(cfg["layers"])]
+        extra = rotary_tables(lconf, seq)
+        fns = mods
     else:
         raise ValueError(model)
     for m in mods:
@@ -264,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             busy.wait()
 
     names = {"encoder": f"encoder x{args.blocks}", "block": f"Block x{args.blocks}",
-             "llama": f"llama x{args.layers} ({args.attn})"}
+             "llama": f"llama x{args.layers} ({args.attn})",
+             "llama_style": f"llama-style x{args.layers}"}
     print(f"\npeak resident memory above the step's start, MiB (fwd: forward only; held: left "
           f"after the forward; step: forward + backward)")
     head = f"  {'model':22s} {'kind':5s}" + "".join(f" {v:>7s}" for v in VARIANTS)

@@ -80,7 +80,8 @@ def main() -> None:
         ckptfx.clear_recompute_session(sid)
     same = all(torch.equal(a, b) for a, b in zip(ref, [*dx, *dw]))
     print(f"{'ckptfx split dx + dw':24s} block runs: {block.runs}   "
-          f"({len(params)} dw calls, {held} replayed bytes held)  bitwise equal: {same}")
+          f"({len(params)} dw calls, {held / 2**10:.1f} KiB of replayed tensors held)  "
+          f"bitwise equal: {same}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ schedule the same step runs three ways on every rank:
 and each rank prints how often the blocks of its stages ran (a counter inside the block) and
 whether the gradients are bitwise equal to the reference.
 
+    pip install "ckptfx[examples]"     # numpy: torch's pipelining sends its metadata with it
     python examples/zero_bubble_pipeline.py
 """
 
@@ -124,7 +125,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def require_numpy() -> None:
+    """Refuse to start without numpy, in the parent, with how to get it.
+
+    torch.distributed's object send/receive (the pipeline schedules' metadata exchange) needs
+    numpy; without it the receiving rank dies inside torch and the other sees only
+    "Connection closed by peer"."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        raise SystemExit("examples/zero_bubble_pipeline.py needs numpy (torch.distributed "
+                         "sends the pipeline's metadata with it): pip install "
+                         '"ckptfx[examples]"  (or: pip install numpy)') from None
+
+
 def main() -> None:
+    require_numpy()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(worker, args=(free_port(),), nprocs=WORLD, join=True)
 

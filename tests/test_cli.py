@@ -1,12 +1,30 @@
-"""The ``ckptfx`` command: version, the residual report's policy argument, the demo."""
+"""The ``ckptfx`` command: version, help text, demo counts, residual reports of a user's block,
+usage errors (exit 2, no traceback), and a tiny ``bench`` run writing its results and plots."""
 
 from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
 import ckptfx
-from ckptfx import cli
+from ckptfx import _term, cli
+from ckptfx.bench import variants as bench_variants
+from ckptfx.bench import write_outputs
+
+
+@pytest.fixture
+def plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain-text output (what a machine without rich prints), with a fresh once-only hint."""
+    monkeypatch.setenv("CKPTFX_PLAIN", "1")
+    monkeypatch.setattr(_term, "_hinted", False)
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -17,19 +35,205 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         f"ckptfx {ckptfx.__version__} (torch {torch.__version__})")
 
 
-@pytest.mark.parametrize("policy", ["offload_dot_with_no_batch_dims", "save_only_these_names",
-                                    "no_such_policy"])
-def test_residuals_refuses_factories_and_unknown_names(policy: str) -> None:
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["residuals", "--help"],
+                                  ["bench", "--help"]])
+def test_help_has_no_rst_markup(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        cli.main(["residuals", "--policy", policy])
-    assert f"unknown or parametrised policy {policy!r}" in str(info.value.code)
+        cli.main(argv)
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: ckptfx")
+    for markup in ("``", "::", ":func:", ":class:", ".. "):
+        assert markup not in text, f"{markup!r} in {' '.join(argv)}"
+    if argv[0] == "bench":
+        assert "--quick" in text and "--out DIR" in text and "--tiny" not in text
 
 
-def test_residuals_and_demo(capsys: pytest.CaptureFixture[str]) -> None:
-    cli.main(["residuals", "--policy", "dots_saveable"])
-    report = capsys.readouterr().out
-    assert report.startswith("remat(policy=dots_saveable)") and "total: " in report
+def test_demo_counts(plain: None, capsys: pytest.CaptureFixture[str]) -> None:
     cli.main(["demo"])
-    lines = capsys.readouterr().out.splitlines()
-    parity = [line for line in lines if "bitwise equal" in line]
-    assert len(parity) == 4 and all(line.endswith("True") for line in parity)
+    captured = capsys.readouterr()
+    rows = {line[:24].strip(): line.split() for line in captured.out.splitlines()}
+    # function runs, kept bytes (remat: human units), bitwise equal
+    assert rows["no checkpoint"][-3:] == ["1", "-", "True"]
+    assert rows["ckptfx.checkpoint"][-3:] == ["2", "-", "True"]
+    for name in ("remat(nothing_saveable)", "remat(dots_saveable)"):
+        assert rows[name][1] == "1" and rows[name][3] == "KiB" and rows[name][-1] == "True"
+    split = [line.split() for line in captured.out.splitlines()
+             if line.split()[:1] in (["1"], ["2"], ["4"])]
+    # k dw calls, torch's replays (1 + k), ckptfx's (1), gradients bitwise equal
+    assert split == [["1", "2", "1", "True"], ["2", "3", "1", "True"], ["4", "5", "1", "True"]]
+    assert captured.err.count('pip install "ckptfx[cli]"') == 1
+
+
+def test_demo_with_rich(monkeypatch: pytest.MonkeyPatch,
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("rich")  # in the test extra
+    monkeypatch.delenv("CKPTFX_PLAIN", raising=False)
+    cli.main(["residuals", "--policy", "nothing_saveable"])
+    cli.main(["demo"])
+    captured = capsys.readouterr()
+    assert "ckptfx[cli]" not in captured.err
+    assert "remat(dots_saveable)" in captured.out and "┃ variant" in captured.out
+
+
+BLOCK = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+    import ckptfx
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc2(ckptfx.checkpoint_name(torch.relu(self.fc1(x)), "h"))
+
+    def two_inputs(x, y):
+        return torch.tanh(x @ y)
+
+    class NeedsArgs(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+""")
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    path = tmp_path / "cli_user_block.py"
+    path.write_text(BLOCK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield path
+    sys.modules.pop("cli_user_block", None)
+
+
+def test_residuals_of_a_user_block(user_module: Path, plain: None,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    cli.main(["residuals", "cli_user_block:Block", "--shape", "2,4,8"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "remat(policy=dots_saveable) of cli_user_block:Block on (f32[2,4,8]) keeps:"
+    assert "f32[16,8] from the parameter fc1.weight" in out
+    assert any("output of aten.addmm" in line for line in out)
+    assert out[-1].startswith("total: 4 residuals")
+
+    cli.main(["residuals", f"{user_module}:Block", "--shape", "2,4,8",
+              "--policy", "save_only_these_names:h"])
+    out = capsys.readouterr().out
+    assert "named 'h' at cli_user_block.py:" in out and "aten.addmm" not in out
+
+    cli.main(["residuals", "cli_user_block:two_inputs", "--shape", "3,4", "--shape", "4,5",
+              "--policy", "nothing_saveable"])
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out[1:3]) == ["f32[3,4] from the argument x", "f32[4,5] from the argument y"]
+    assert out[3:] == ["total: 2 residuals, 128 B (0 B beyond the arguments)"]
+
+
+def test_parse_policy_factories_with_arguments() -> None:
+    cp = ckptfx.checkpoint_policies
+    assert cli.parse_policy("dots_saveable") is cp.dots_saveable
+    assert cli.parse_policy("save_only_these_names:attn,mlp") == cp.save_only_these_names(
+        "attn", "mlp")
+    assert cli.parse_policy("offload_dot_with_no_batch_dims:device,cpu") == (
+        cp.offload_dot_with_no_batch_dims("device", "cpu"))
+    assert cli.parse_policy("save_and_offload_only_these_names:names_which_can_be_saved=a+b,"
+                            "names_which_can_be_offloaded=") == (
+        cp.save_and_offload_only_these_names(names_which_can_be_saved=["a", "b"],
+                                             names_which_can_be_offloaded=[]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["residuals", "--policy", "no_such_policy"],
+     "--policy: unknown policy 'no_such_policy'; expected one of"),
+    (["residuals", "--policy", "save_only_these_names"],
+     "--policy: save_only_these_names is a factory that needs arguments"),
+    (["residuals", "--policy", "dots_saveable:x"], "--policy: dots_saveable takes no arguments"),
+    (["residuals", "--policy", "offload_dot_with_no_batch_dims:host"],
+     "refused the arguments 'host': offload_src must be 'device'"),
+    (["residuals", "no_colon", "--shape", "2"], "TARGET expects MODULE:FUNCTION"),
+    (["residuals", "no_such_module_xyz:f", "--shape", "2"],
+     "TARGET: cannot import module 'no_such_module_xyz'"),
+    (["residuals", "cli_user_block:Nope", "--shape", "2"],
+     "TARGET: module 'cli_user_block' has no 'Nope'; callables there: Block, NeedsArgs"),
+    (["residuals", "cli_user_block:NeedsArgs", "--shape", "2"],
+     "TARGET: NeedsArgs() cannot be built without arguments"),
+    (["residuals", "cli_user_block:Block"], "--shape is required with a MODULE:FUNCTION"),
+    (["residuals", "cli_user_block:Block", "--shape", "2,x"],
+     "--shape expects comma-separated positive integers such as 2,16,32"),
+    (["residuals", "cli_user_block:Block", "--shape", "2,0"],
+     "--shape expects comma-separated positive integers"),
+    (["residuals", "cli_user_block:Block", "--shape", "2,4,7"],
+     "calling Block(f32[2,4,7]) raised RuntimeError: mat1 and mat2 shapes cannot be "
+     "multiplied"),
+    (["residuals", "--shape", "2,4"], "--shape goes with a MODULE:FUNCTION target"),
+    (["bench", "--variants", "none,bogus"], "--variants: unknown 'bogus'; expected"),
+    (["bench", "--device", "nodevice"], "--device expects a torch device"),
+    pytest.param(["bench", "--device", "cuda"], "--device cuda: no cuda device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")),
+    (["bench", "--threads", "0"], "--threads expects a positive integer"),
+    (["bench", "--quick", "--full"], "not allowed with argument"),
+    (["nocommand"], "invalid choice: 'nocommand'"),
+])
+def test_usage_errors_exit_2(argv: list[str], message: str, user_module: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ckptfx") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_bench_variant_registry() -> None:
+    cpu = bench_variants.available("cpu")
+    assert [v.name for v in cpu][:4] == ["none", "torch", "torch_sac_dots", "ckptfx"]
+    assert all(not v.accelerator_only for v in cpu)
+    assert "remat:offload_dot_with_no_batch_dims" in [v.name for v in
+                                                     bench_variants.available("cuda")]
+    budgets = [v for v in bench_variants.VARIANTS.values() if v.family == "budget"]
+    # memory_budget variants exist exactly when the policy does
+    assert bool(budgets) == hasattr(ckptfx.checkpoint_policies, "memory_budget")
+    with pytest.raises(ValueError, match="already registered"):
+        bench_variants.register(bench_variants.VARIANTS["none"])
+    with pytest.raises(ValueError, match="unknown bench variant 'x'; registered: none, torch"):
+        bench_variants.get("x")
+
+
+def test_bench_tiny_writes_results_and_plots(tmp_path: Path, plain: None,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)  # the bench must not need the source checkout's directory
+    cli.main(["bench", "--tiny", "--variants", "none,remat:dots_saveable", "--out", str(out)])
+    captured = capsys.readouterr()
+    res = json.loads((out / "results.json").read_text())
+    assert res["ckptfx"] == ckptfx.__version__ and res["torch"] == torch.__version__
+    assert res["mode"] == "tiny" and res["config"]["dim"] == 32 and res["date"]
+    assert res["clock"] == "thread_cpu"  # one CPU thread: the step's CPU time
+    rows = {r["name"]: r for r in res["variants"]}
+    assert list(rows) == ["none", "remat:dots_saveable"]
+    for r in rows.values():
+        assert r["bitwise_equal"] is True
+        assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(
+            res["tokens_per_step"] / r["step_s"])
+        assert isinstance(r["peak_bytes"], (int, float)) and r["peak_bytes"] >= 0
+        assert len(r["peak_samples"]) == 1 and len(r["step_s_samples"]) == 1
+        assert r["wall_s"] > 0 and len(r["wall_s_samples"]) == 1
+        assert set(r) >= {"label", "family", "held_bytes", "memory_saved",
+                          "tokens_per_s_change"}
+    assert rows["none"]["tokens_per_s_change"] == 0
+    split = res["split"]
+    assert split["k"] == [1, 2] and split["torch_checkpoint"] == [2, 3]
+    assert split["ckptfx_session"] == [1, 1] and split["bitwise_equal"] is True
+    assert "| remat dots_saveable |" in (out / "table.md").read_text()
+    assert "remat dots_saveable" in captured.out and "[6/6] split k=2" in captured.err
+    if importlib.util.find_spec("matplotlib") is not None:
+        for png in ("memory_vs_time.png", "split_replays.png"):
+            assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Without matplotlib: results.json and table.md, and how to get the plots.
+    monkeypatch.setattr("ckptfx.bench.have_matplotlib", lambda: False)
+    again = tmp_path / "again"
+    written = write_outputs(res, str(again))
+    assert sorted(os.listdir(again)) == ["results.json", "table.md"] and len(written) == 2
+    assert 'the PNG plots need matplotlib: pip install "ckptfx[plot]"' in capsys.readouterr().out
