@@ -242,7 +242,7 @@ def _block_of(obj: Any, attr: str) -> Callable[..., Any]:
     if not callable(obj):
         raise UsageError(f"TARGET: {attr} is a {type(obj).__name__}, not a function or an "
                          "nn.Module")
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def residuals(target: str | None, shapes: Sequence[str], policy_spec: str) -> None:

@@ -109,7 +109,7 @@ def measure_memory(cfg: BenchConfig, variant: str) -> dict[str, Any]:
 
 def _grads(model: Any, tokens: torch.Tensor) -> list[torch.Tensor]:
     model(tokens).backward()
-    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    grads = [p.grad.clone() for p in model.parameters()]
     for p in model.parameters():
         p.grad = None
     return grads
