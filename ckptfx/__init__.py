@@ -10,6 +10,7 @@ from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_
 from .frame import CheckpointError
 from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
 from .remat import remat
+from .budget import memory_budget, memory_budget_policies
 from .residuals import Residual, print_saved_residuals, saved_residuals
 from .session import (
     RecomputeHandle,
@@ -22,6 +23,8 @@ from .session import (
 )
 from .split import grad_split, vjp_split
 
+checkpoint_policies.memory_budget = memory_budget
+
 _compat.import_npu()
 
 __version__ = "0.1.0"
@@ -33,6 +36,7 @@ __all__ = [
     "UnusedNameWarning",
     "checkpoint_name",
     "checkpoint_policies",
+    "memory_budget_policies",
     "print_saved_residuals",
     "remat",
     "saved_residuals",
