@@ -11,6 +11,7 @@ from .frame import CheckpointError
 from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
 from .remat import remat
 from .budget import memory_budget, memory_budget_policies
+from .sequential import checkpoint_layers, checkpoint_sequential
 from .residuals import Residual, print_saved_residuals, saved_residuals
 from .session import (
     RecomputeHandle,
@@ -37,6 +38,8 @@ __all__ = [
     "checkpoint_name",
     "checkpoint_policies",
     "memory_budget_policies",
+    "checkpoint_layers",
+    "checkpoint_sequential",
     "print_saved_residuals",
     "remat",
     "saved_residuals",

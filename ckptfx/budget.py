@@ -100,9 +100,13 @@ class MemoryBudget(Policy):
             policy = None if self.fraction == 0.0 else everything_saveable
             return lambda frame, ts, names: Tracer(frame, ts, policy, names)
         key = signature(args, kwargs, tensors)
-        plans = _plans.get(fun)
-        if plans is None:
-            plans = _plans[fun] = {}
+        shared = getattr(fun, "__ckptfx_plan_key__", None)
+        if shared is not None:  # e.g. checkpoint_layers' groups of identical layers
+            plans = _shared_plans.setdefault(shared, {})
+        else:
+            plans = _plans.get(fun)
+            if plans is None:
+                plans = _plans[fun] = {}
         frontier = plans.get(key)
         if frontier is None:
             def planning(frame: Any, ts: Sequence[torch.Tensor], names: Any) -> Tracer:
@@ -173,6 +177,9 @@ def memory_budget_policies(blocks: Sequence[Any], memory_budget: float
 
 # fun -> {signature: Frontier}; weak, so a dropped function drops its plans.
 _plans: "weakref.WeakKeyDictionary[Any, dict[Any, Frontier]]" = weakref.WeakKeyDictionary()
+# For functions that name what they record (``__ckptfx_plan_key__``: a key of classes and
+# shapes, no tensors), so that short-lived closures over identical layers share one plan.
+_shared_plans: dict[Any, dict[Any, "Frontier"]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
