@@ -59,7 +59,8 @@ from ._tracers import reporting
 from .policies import DOTS, Decision, Policy, everything_saveable
 from .trace import Tracer
 
-__all__ = ["MemoryBudget", "Frontier", "memory_budget", "memory_budget_policies"]
+__all__ = ["BlockShare", "Frontier", "MemoryBudget", "ModelBudget", "memory_budget",
+           "memory_budget_policies", "spread"]
 
 # Blocks with at most this many candidate ops are solved exactly (every subset is scored).
 EXACT_UNITS = 10
@@ -89,6 +90,10 @@ class MemoryBudget(Policy):
         # Asked op by op (the torch.func path, Rule 4): without a plan, recompute.
         return False
 
+    def choose(self, frontier: "Frontier") -> "Point":
+        """The frontier point this policy keeps (a model budget's share overrides it)."""
+        return frontier.choose(self.fraction)
+
     def tracer_for(self, fun: Callable[..., Any], args: tuple, kwargs: dict,
                    tensors: Sequence[torch.Tensor]) -> Callable[..., Tracer]:
         """The recorder for one remat call of ``fun``: planning (first call of a signature)
@@ -112,9 +117,9 @@ class MemoryBudget(Policy):
             def planning(frame: Any, ts: Sequence[torch.Tensor], names: Any) -> Tracer:
                 return _PlanningTracer(frame, ts, names, plans, key, self)
             return planning
-        choice = frontier.choose(self.fraction)
+        choice = self.choose(frontier)
         if reporting():
-            _notes.append(frontier.explain(self.fraction, planned_now=False))
+            _notes.append(frontier.explain(self.fraction, planned_now=False, choice=choice))
         if choice.keep == frontier.everything_keep and not frontier.replayable:
             return lambda frame, ts, names: Tracer(frame, ts, everything_saveable, names)
 
@@ -151,26 +156,96 @@ def memory_budget(fraction: float) -> MemoryBudget:
 
 def memory_budget_policies(blocks: Sequence[Any], memory_budget: float
                            ) -> list[MemoryBudget]:
-    """Spread a model-level budget over ``blocks``: one policy per block.
+    """Spread a model-level budget over ``blocks``: one policy per block, in order.
 
-    Each block gets the same fraction, so the model keeps at most ``memory_budget`` times
-    the bytes ``everything_saveable`` would keep in all its blocks together (a sum of
-    per-block bounds). Blocks of one remat'd function with one signature share one plan.
-    A ``memory_budget`` outside ``[0, 1]`` is a ``ValueError``; ``blocks`` must be a
-    sequence (a ``TypeError`` otherwise).
+    The model keeps at most ``memory_budget`` times the bytes ``everything_saveable`` would
+    keep in all the blocks together. Until every block has planned (its first call), each
+    keeps at most that fraction of its own (a sum of per-block bounds). Once all have, the
+    budget is re-spread over them: starting from that even split, the slack it leaves goes
+    to the blocks whose next frontier point lowers the recompute cost most per byte, while
+    the total fits. So the model never recomputes more than under the even split, and
+    blocks that gain most from memory get more of it. ``memory_budget`` outside ``[0, 1]``
+    is a ``ValueError``, a non-number a ``TypeError``; ``blocks`` must be a sequence (or an
+    ``nn.ModuleList``), else a ``TypeError``. Pass policy ``i`` to block ``i`` only.
 
     Example::
 
-        policies = memory_budget_policies(model.layers, 0.25)
-        for layer, policy in zip(model.layers, policies):
-            layer.forward = ckptfx.remat(layer.forward, policy=policy)
+        policies = ckptfx.memory_budget_policies(model.layers, 0.25)
+        calls = [ckptfx.remat(layer.forward, policy=p)
+                 for layer, p in zip(model.layers, policies)]
     """
     if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence) and not (
             isinstance(blocks, torch.nn.ModuleList)):
         raise TypeError(f"memory_budget_policies: blocks must be a sequence of blocks, got "
                         f"{type(blocks).__name__}")
-    policy = MemoryBudget(memory_budget)
-    return [policy for _ in range(len(blocks))]
+    MemoryBudget(memory_budget)  # checks the fraction
+    model = ModelBudget(len(blocks))
+    return [BlockShare(float(memory_budget), model, i) for i in range(len(blocks))]
+
+
+class ModelBudget:
+    """The frontiers of a model's blocks, and the points a whole-model budget gives them."""
+
+    def __init__(self, n: int) -> None:
+        self.frontiers: list[Frontier | None] = [None] * n
+        self.shares: list[Point] | None = None
+        self.first: int | None = None  # the block that registered first: a step's start
+        self.active = False
+
+    def register(self, index: int, frontier: "Frontier", fraction: float) -> None:
+        if self.frontiers[index] is not frontier:
+            if self.first is None:
+                self.first = index
+            self.frontiers[index] = frontier
+            self.shares, self.active = None, False
+            if all(f is not None for f in self.frontiers):
+                self.shares = spread(self.frontiers, fraction)  # type: ignore[arg-type]
+        elif self.shares is not None and index == self.first:
+            # From the start of the next step: a step in which some blocks already ran
+            # with the even split must not give the others their re-spread shares.
+            self.active = True
+
+
+def spread(frontiers: Sequence["Frontier"], fraction: float) -> list["Point"]:
+    """Frontier points for blocks sharing ``fraction`` of their total everything_saveable
+    bytes: the even split, then upgrades by cost drop per byte while the total fits."""
+    limit = sum(f.budget_bytes(fraction) for f in frontiers)
+    chosen = [f.choose(fraction) for f in frontiers]
+    at = [f.points.index(p) if p in f.points else -1 for f, p in zip(frontiers, chosen)]
+    used = sum(p.nbytes for p in chosen)
+    while True:
+        best, best_score = None, None
+        for i, f in enumerate(frontiers):
+            if at[i] < 0 or at[i] + 1 >= len(f.points):
+                continue
+            nxt = f.points[at[i] + 1]
+            extra = nxt.nbytes - chosen[i].nbytes
+            if used + extra > limit:
+                continue
+            gain = (chosen[i].flops - nxt.flops) + (chosen[i].elems - nxt.elems)
+            score = (gain / (extra + 1), -i)
+            if best_score is None or score > best_score:
+                best, best_score = i, score
+        if best is None:
+            return chosen
+        used += frontiers[best].points[at[best] + 1].nbytes - chosen[best].nbytes
+        at[best] += 1
+        chosen[best] = frontiers[best].points[at[best]]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShare(MemoryBudget):
+    """Block ``index``'s part of a model-level budget (``memory_budget_policies``)."""
+
+    model: ModelBudget = dataclasses.field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    index: int = 0
+
+    def choose(self, frontier: "Frontier") -> "Point":
+        model = self.model
+        model.register(self.index, frontier, self.fraction)
+        if not model.active or model.shares is None:
+            return frontier.choose(self.fraction)
+        return model.shares[self.index]
 
 
 # -- plans: cached per remat'd function and signature ---------------------------------------
@@ -367,8 +442,9 @@ class Frontier:
                 choice = p
         return choice
 
-    def explain(self, fraction: float, planned_now: bool) -> Note:
-        p = self.choose(fraction)
+    def explain(self, fraction: float, planned_now: bool, choice: "Point | None" = None
+                ) -> Note:
+        p = self.choose(fraction) if choice is None else choice
         ev, no = self.everything, self.nothing
         lines = [
             f"memory_budget({fraction:g}): keeps {_b(p.nbytes)} of {_b(ev.nbytes)} "
