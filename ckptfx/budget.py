@@ -57,7 +57,7 @@ from torch.utils.flop_counter import flop_registry
 from ._ops import op_info
 from ._tracers import reporting
 from .policies import DOTS, Decision, Policy, everything_saveable
-from .trace import Tracer
+from .trace import Segment, Tracer
 
 __all__ = ["BlockShare", "Frontier", "MemoryBudget", "ModelBudget", "memory_budget",
            "memory_budget_policies", "spread"]
@@ -288,6 +288,9 @@ def peek_notes() -> list[Note]:
     return list(_notes.items)
 
 
+_BY_VALUE = frozenset({bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+
+
 def signature(args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> tuple:
     """What a plan is keyed on: the tensors' metadata, the non-tensor arguments (by value
     when hashable, else by identity) and the autocast state."""
@@ -296,10 +299,9 @@ def signature(args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> tup
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             continue
-        try:
-            hash(leaf)
+        if leaf is None or type(leaf) in _BY_VALUE:
             rest.append((type(leaf), leaf))
-        except TypeError:
+        else:  # by identity: a cached plan must not keep a module (``self``) alive
             rest.append((type(leaf), id(leaf)))
     metas = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors)
     devices = {t.device.type for t in tensors} | {"cpu"}
@@ -499,11 +501,32 @@ class Frontier:
         return frontier
 
 
+class _GraphOp:
+    __slots__ = ("inputs", "outs")
+
+    def __init__(self, inputs: list[tuple[int, int, int]], outs: list[tuple[int, int]]) -> None:
+        self.inputs = inputs
+        self.outs = outs
+
+
+def _graph_only(seg: Segment) -> Segment:
+    """The recording's dataflow alone (what ``Segment._plan`` reads), without tensors: a
+    cached plan must not keep the block's parameters or anything else alive."""
+    lite = Segment()
+    lite.ops = [_GraphOp(op.inputs, op.outs) for op in seg.ops]  # type: ignore[misc]
+    lite.producer, lite.base = list(seg.producer), list(seg.base)
+    lite.writers = {k: list(v) for k, v in seg.writers.items()}
+    lite.rng_prev = dict(seg.rng_prev)
+    lite.targets = dict(seg.targets)
+    lite.replayable, lite.subclass = seg.replayable, seg.subclass
+    return lite
+
+
 class _Model:
     """trace.py's keep and replay rules, run on a recording for a given keep-set."""
 
     def __init__(self, tracer: _PlanningTracer) -> None:
-        seg = tracer.seg
+        seg = _graph_only(tracer.seg)
         self.seg = seg
         self.replayable = seg.replayable and not seg.subclass
         self.root = tracer.root

@@ -329,3 +329,21 @@ def test_model_budget_spreads_over_blocks(fraction: float) -> None:
     assert results["model"][1] <= results["even"][1]
     shares = ckptfx.memory_budget_policies(blocks, fraction)[0]
     assert isinstance(shares, budget.BlockShare) and shares.fraction == fraction
+
+
+def test_a_cached_plan_keeps_no_tensor_alive() -> None:
+    import gc
+    import weakref
+
+    lin = torch.nn.Linear(8, 8)
+
+    def block(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(m(x).relu() @ m.weight)
+
+    ref = weakref.ref(lin.weight)
+    ckptfx.remat(block, policy=cp.memory_budget(0.5))(lin, torch.randn(4, 8, requires_grad=True)
+                                                      ).sum().backward()
+    assert budget._plans[block]  # planned
+    del lin
+    gc.collect()
+    assert ref() is None
