@@ -4,7 +4,9 @@ Variants, for a stack of n bench_split.py ``Block``s (pre-norm transformer, drop
 
 - ``none``: no checkpoint;
 - ``every1``: ``ckptfx.checkpoint_layers(layers, x, every=1)``, one checkpoint per layer;
-- ``sqrt``: ``ckptfx.checkpoint_layers(layers, x)``, groups of round(sqrt(n)) layers;
+- ``sqrt``: ``ckptfx.checkpoint_layers(layers, x, every=round(sqrt(n)))``;
+- ``auto``: ``ckptfx.checkpoint_layers(layers, x)``, the group size from the first layer's
+  measured saved bytes A and input bytes I: round(sqrt((n - 1) I / A));
 - ``torch_seq`` / ``ckptfx_seq``: ``checkpoint_sequential(layers, round(sqrt(n)), x)``,
   torch's and ckptfx's (all segments but the last checkpointed).
 
@@ -31,7 +33,7 @@ import time
 
 from _memory import MMAP_ENV, MMAP_VALUE
 
-VARIANTS = ("none", "every1", "sqrt", "torch_seq", "ckptfx_seq")
+VARIANTS = ("none", "every1", "sqrt", "auto", "torch_seq", "ckptfx_seq")
 MIB = 2**20
 
 
@@ -64,6 +66,8 @@ def _child(cfg: dict) -> dict:
         if variant == "every1":
             return ckptfx.checkpoint_layers(layers, x, every=1)
         if variant == "sqrt":
+            return ckptfx.checkpoint_layers(layers, x, every=segments)
+        if variant == "auto":
             return ckptfx.checkpoint_layers(layers, x)
         if variant == "torch_seq":
             return tcp.checkpoint_sequential(layers, segments, x, use_reentrant=False)

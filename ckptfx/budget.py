@@ -54,6 +54,7 @@ import optree
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from . import policies as _policies
 from ._ops import op_info
 from ._tracers import reporting
 from .policies import DOTS, Decision, Policy, everything_saveable
@@ -675,5 +676,4 @@ def _f(n: int) -> str:
 
 # ``policy=checkpoint_policies.memory_budget`` (not called) is refused like the other
 # factories, with the call to write instead.
-_policies_module = __import__("ckptfx.policies", fromlist=["_FACTORY_CALLS"])
-_policies_module._FACTORY_CALLS[memory_budget] = "memory_budget(0.5)"
+_policies._FACTORY_CALLS[memory_budget] = "memory_budget(0.5)"

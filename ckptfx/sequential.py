@@ -12,10 +12,17 @@ Rules
    not be zero") ckptfx raises a ``ValueError`` naming ``segments``.
 
 2. ``checkpoint_layers`` checkpoints *every* group of ``every`` consecutive layers (the last
-   included, as ``scan(remat(f))`` does): the forward keeps n/k group inputs, a group's
-   replay holds k layers' activations, so ``every = round(sqrt(n))`` gives about 2 sqrt(n)
-   layers' worth of memory instead of n. Each group is one ``ckptfx.checkpoint`` call, or
-   one ``ckptfx.remat`` call under ``policy`` when one is given.
+   included, as ``scan(remat(f))`` does): the forward keeps n/k group inputs of I bytes, a
+   group's replay holds k layers' saved activations of A bytes each: n I / k + k A, least at
+   k = sqrt(n I / A), where it is 2 sqrt(n I A): memory in sqrt(n). With ``every=None`` the
+   first layer runs as a group of its own and its frame's saved-tensor sizes (what the
+   determinism check records: shapes and dtypes, no clock) give A; the other layers go in
+   groups of ``round(sqrt((n - 1) I / A))``. A transformer layer saves tens of times its
+   input, so that is 1 until n is large (measured: benchmarks/bench_layers.py); for layers
+   that save about their input it is about sqrt(n). Without the sizes
+   (``determinism_check="none"``), ``round(sqrt(n))``. Each group is one
+   ``ckptfx.checkpoint`` call, or one ``ckptfx.remat`` call under ``policy``; its handle
+   reaches the caller's ``recompute_handle_collector_ctx`` as any checkpoint's does.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from torch import nn
 
 from .checkpoint import checkpoint
 from .remat import remat
+from .session import forward_to_outer_collector, recompute_handle_collector_ctx
 
 __all__ = ["checkpoint_layers", "checkpoint_sequential"]
 
@@ -117,10 +125,11 @@ def checkpoint_layers(layers: Any, input: Any, every: int | None = None, *,
                       **checkpoint_kwargs: Any) -> Any:
     """Run ``layers`` in order on ``input``, checkpointing each group of ``every`` layers.
 
-    Every group is checkpointed, the last included (``scan`` over ``remat`` in JAX). By
-    default ``every`` is ``round(sqrt(len(layers)))``: the forward keeps about sqrt(n) group
-    inputs and a backward replays one group at a time, so memory grows as sqrt(n) layers,
-    for one extra forward of compute. With ``policy``, each group is ``ckptfx.remat``'d
+    Every group is checkpointed, the last included (``scan`` over ``remat`` in JAX), for
+    one extra forward of compute. By default (``every=None``) the group size is chosen for
+    the least memory, about 2 sqrt(n I A) for n layers with inputs of I bytes that save A
+    bytes each: the first layer is checkpointed alone and its saved-tensor sizes give A,
+    the rest go in groups of ``round(sqrt((n - 1) I / A))`` (see this module's Rule 2). With ``policy``, each group is ``ckptfx.remat``'d
     under it instead (``checkpoint_kwargs`` then must be empty); otherwise the groups are
     ``ckptfx.checkpoint`` calls with ``checkpoint_kwargs``.
 
@@ -132,22 +141,51 @@ def checkpoint_layers(layers: Any, input: Any, every: int | None = None, *,
     """
     layers = _as_list(layers, "layers")
     n = len(layers)
-    if every is None:
-        every = sqrt_group_size(n)
-    if isinstance(every, bool) or not isinstance(every, int):
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int)):
         raise TypeError(f"every must be an int or None, got {type(every).__name__}")
-    if every < 1:
+    if every is not None and every < 1:
         raise ValueError(f"every must be at least 1, got {every}")
     if policy is not None and checkpoint_kwargs:
         raise TypeError("checkpoint_layers: checkpoint keywords "
                         f"({', '.join(checkpoint_kwargs)}) do not apply with policy= (remat)")
-    for start in range(0, n, every):
-        group = _run(layers, start, min(start + every, n) - 1)
-        if policy is not None:
-            key = _group_key(layers[start:start + every])
-            if key is not None:  # identical groups share a budget's plan
-                group.__ckptfx_plan_key__ = key  # type: ignore[attr-defined]
-            input = remat(group, policy=policy)(input)
-        else:
-            input = checkpoint(group, input, **checkpoint_kwargs)
+
+    def run_group(start: int, end: int, x: Any) -> Any:
+        group = _run(layers, start, end - 1)
+        if policy is None:
+            return checkpoint(group, x, **checkpoint_kwargs)
+        key = _group_key(layers[start:end])
+        if key is not None:  # identical groups share a budget's plan
+            group.__ckptfx_plan_key__ = key  # type: ignore[attr-defined]
+        return remat(group, policy=policy)(x)
+
+    start = 0
+    if every is None:
+        if n == 0:
+            return input
+        every = sqrt_group_size(n)
+        if torch.is_grad_enabled() and isinstance(input, torch.Tensor):
+            input_bytes = input.numel() * input.element_size()
+            with recompute_handle_collector_ctx() as handles:
+                input = run_group(0, 1, input)
+            if handles:
+                forward_to_outer_collector(handles)
+            saved = _saved_bytes(handles)
+            start = 1
+            if saved:  # n I / k + k A is least at k = sqrt(n I / A)
+                every = max(1, min(n - 1, round(math.sqrt((n - 1) * input_bytes / saved))))
+    for s in range(start, n, every):
+        input = run_group(s, min(s + every, n), input)
     return input
+
+
+def _saved_bytes(handles: list[Any]) -> int:
+    """Bytes one checkpointed call saved for its backward, from the shapes and dtypes its
+    frame recorded for the determinism check (0 when it recorded none)."""
+    if len(handles) != 1:
+        return 0
+    frame = handles[0].frame
+    metas = getattr(frame, "metas", None)
+    if not metas:
+        return 0
+    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype, _ in metas)

@@ -95,8 +95,8 @@ def test_checkpoint_sequential_errors() -> None:
         ckptfx.checkpoint_sequential(lambda x: x, 1, x)
 
 
-@pytest.mark.parametrize("n", [1, 4, 9, 10])
-def test_checkpoint_layers_is_exact_in_sqrt_groups(n: int) -> None:
+@pytest.mark.parametrize("n, every", [(1, None), (4, None), (10, None), (9, 3), (10, 4)])
+def test_checkpoint_layers_is_exact(n: int, every: int | None) -> None:
     layers = make_layers(n)
     x = torch.randn(3, 12, requires_grad=True)
     plain, _ = run("plain", layers, 1, x)
@@ -105,19 +105,41 @@ def test_checkpoint_layers_is_exact_in_sqrt_groups(n: int) -> None:
         layer.fn.zero_grad()
     x.grad = None
     torch.manual_seed(7)
-    frames = []
-    real = ckptfx.sequential.checkpoint
-    ckptfx.sequential.checkpoint = lambda f, *a, **k: frames.append(1) or real(f, *a, **k)
-    try:
-        out = ckptfx.checkpoint_layers(layers, x)
-    finally:
-        ckptfx.sequential.checkpoint = real
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = ckptfx.checkpoint_layers(layers, x, every=every)
     out.sum().backward()
-    k = ckptfx.sequential.sqrt_group_size(n)
-    assert k == max(1, round(n ** 0.5))
-    assert len(frames) == -(-n // k)  # ceil(n / k) groups, the last one included
     assert [layer.calls for layer in layers] == [2] * n  # forward + one replay each
     assert_bitwise(grads([x, *[p for l in layers for p in l.fn.parameters()]]), plain)
+    if every is not None:
+        assert len(handles) == -(-n // every)  # ceil(n / every) groups, the last included
+    else:  # the first layer alone (it measures A), then groups: all reach the collector
+        assert 1 <= len(handles) <= n
+
+
+@pytest.mark.parametrize("n", [5, 10, 17])
+def test_checkpoint_layers_sizes_groups_from_measured_activations(n: int) -> None:
+    """Layers saving one input-sized tensor (A = I): groups of round(sqrt(n - 1)) after the
+    first; layers saving 8 (A = 8 I): round(sqrt((n - 1) / 8)). Counted as frames."""
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def small(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h)  # saves its output: I bytes
+
+    def big(h: torch.Tensor) -> torch.Tensor:
+        for _ in range(8):
+            h = torch.tanh(h)  # eight saved outputs: 8 I bytes
+        return h
+
+    for layer, ratio in ((small, 1), (big, 8)):
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            ckptfx.checkpoint_layers([layer] * n, x).sum().backward()
+        k = max(1, min(n - 1, round(((n - 1) / ratio) ** 0.5)))
+        assert len(handles) == 1 + -(-(n - 1) // k), (layer, n, k)
+    # without the sizes (no determinism check): round(sqrt(n))
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        ckptfx.checkpoint_layers([big] * n, x, determinism_check="none").sum().backward()
+    k = ckptfx.sequential.sqrt_group_size(n)
+    assert len(handles) == 1 + -(-(n - 1) // k)
 
 
 def test_checkpoint_layers_with_a_budget_plans_once_for_identical_groups(
