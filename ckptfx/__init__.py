@@ -19,6 +19,8 @@ from .frame import CheckpointError
 from .integrations import apply_activation_checkpointing
 from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
 from .remat import remat
+from .budget import memory_budget, memory_budget_policies
+from .sequential import checkpoint_layers, checkpoint_sequential
 from .residuals import Residual, print_saved_residuals, saved_residuals
 from .session import (
     RecomputeHandle,
@@ -30,6 +32,8 @@ from .session import (
     recompute_session_stats,
 )
 from .split import grad_split, vjp_split
+
+checkpoint_policies.memory_budget = memory_budget
 
 _compat.import_npu()
 
@@ -43,6 +47,9 @@ __all__ = [
     "UnusedNameWarning",
     "checkpoint_name",
     "checkpoint_policies",
+    "memory_budget_policies",
+    "checkpoint_layers",
+    "checkpoint_sequential",
     "print_saved_residuals",
     "remat",
     "saved_residuals",

@@ -31,6 +31,7 @@ from torch import nn
 
 from .checkpoint import checkpoint, checkpoint_wrapper
 from .policies import check_policy
+from .budget import MemoryBudget, memory_budget_policies
 
 __all__ = ["apply_activation_checkpointing", "find_blocks"]
 
@@ -42,6 +43,7 @@ def apply_activation_checkpointing(
     policy: Callable[..., Any] | None = None,
     check_fn: Callable[[nn.Module], bool] | None = None,
     *,
+    memory_budget: float | None = None,
     early_stop: bool = True,
 ) -> M:
     """Checkpoint ``model``'s repeated blocks in place; returns ``model``.
@@ -56,12 +58,17 @@ def apply_activation_checkpointing(
         check_fn: ``check_fn(module) -> bool`` picks the modules to wrap (the outermost
             matches; the model itself is never wrapped). ``None`` (default) finds the
             repeated blocks as ``find_blocks`` does.
+        memory_budget: instead of ``policy``, a whole-model budget in ``[0, 1]``: the
+            blocks together keep at most that fraction of what ``everything_saveable``
+            would keep in them, spread over the blocks where it saves the most recompute
+            (``ckptfx.memory_budget_policies``; 0.0 keeps nothing, 1.0 everything).
         early_stop: as in ``ckptfx.checkpoint``.
 
     Raises:
-        TypeError: ``model`` is not a module, ``check_fn`` is not callable, or ``policy``
-            is not a policy.
-        ValueError: no block was found, or ``check_fn`` matched no module.
+        TypeError: ``model`` is not a module, ``check_fn`` is not callable, ``policy``
+            is not a policy, or ``memory_budget`` is not a number.
+        ValueError: no block was found, ``check_fn`` matched no module, ``memory_budget``
+            is outside ``[0, 1]``, or both ``policy`` and ``memory_budget`` were given.
 
     Calling it again updates the policy of the blocks it finds. Each block can be undone
     with ``ckptfx.unwrap_checkpoint`` (Hugging Face models:
@@ -77,6 +84,9 @@ def apply_activation_checkpointing(
         ckptfx.apply_activation_checkpointing(model, policy=cp.dots_saveable)
         model(input_ids, labels=input_ids).loss.backward()
 
+        # a budget instead of a policy: keep at most 30% of what saving everything would
+        ckptfx.apply_activation_checkpointing(model, memory_budget=0.3)
+
         # your own model: say which modules are the blocks
         ckptfx.apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, MyBlock))
     """
@@ -91,6 +101,13 @@ def apply_activation_checkpointing(
         )
     if not isinstance(early_stop, bool):
         raise TypeError(f"early_stop must be a bool, got {type(early_stop).__name__}")
+    if memory_budget is not None and policy is not None:
+        raise ValueError(
+            "apply_activation_checkpointing takes policy= or memory_budget=, not both: a "
+            "budget chooses each block's policy itself"
+        )
+    if memory_budget is not None:
+        MemoryBudget(memory_budget)  # the fraction's checks, before anything changes
     if check_fn is None:
         blocks = find_blocks(model)
     else:
@@ -100,15 +117,18 @@ def apply_activation_checkpointing(
                 f"check_fn matched no submodule of {type(model).__name__} (the model itself "
                 "is never wrapped: use ckptfx.checkpoint_wrapper(model) for that)"
             )
+    policies: list[Any] = (memory_budget_policies(blocks, memory_budget)
+                           if memory_budget is not None else [policy] * len(blocks))
     layer_class = _hf_layer_class()
-    hf = [b for b in blocks if layer_class is not None and isinstance(b, layer_class)]
+    hf = [(b, p) for b, p in zip(blocks, policies)
+          if layer_class is not None and isinstance(b, layer_class)]
     if hf:
-        _enable_hf(model, hf, policy, early_stop)
-    options: dict[str, Any] = {"early_stop": early_stop}
-    if policy is not None:
-        options["policy"] = policy
-    for block in blocks:
+        _enable_hf(model, hf, early_stop)
+    for block, block_policy in zip(blocks, policies):
         if not (layer_class is not None and isinstance(block, layer_class)):
+            options: dict[str, Any] = {"early_stop": early_stop}
+            if block_policy is not None:
+                options["policy"] = block_policy
             checkpoint_wrapper(block, **options)
     return model
 
@@ -181,24 +201,28 @@ def _hf_layer_class() -> type | None:
     return layer_class if isinstance(layer_class, type) else None
 
 
-def _enable_hf(model: nn.Module, layers: list[nn.Module], policy: Callable[..., Any] | None,
-               early_stop: bool) -> None:
-    """Turn on Hugging Face's own checkpointing of ``layers``, with ckptfx's checkpoint.
+def _enable_hf(model: nn.Module, layers: list[tuple[nn.Module, Any]], early_stop: bool
+               ) -> None:
+    """Turn on Hugging Face's own checkpointing of ``layers`` (each with its policy), with
+    ckptfx's checkpoint.
 
     The flag is also set on the other modules that carry it (the model classes, e.g.
     ``GPT2Model``), which read it to drop the KV cache in training, as
     ``gradient_checkpointing_enable`` does.
     """
-    options: dict[str, Any] = {"early_stop": early_stop}
-    if policy is not None:
-        options["policy"] = policy
-    func = functools.partial(checkpoint, **options)
-    chosen = {id(layer) for layer in layers}
+    def func(policy: Any) -> Callable[..., Any]:
+        options: dict[str, Any] = {"early_stop": early_stop}
+        if policy is not None:
+            options["policy"] = policy
+        return functools.partial(checkpoint, **options)
+
+    chosen = {id(layer): func(policy) for layer, policy in layers}
+    shared = func(layers[0][1]) if len({id(p) for _, p in layers}) == 1 else func(None)
     layer_class = _hf_layer_class()
     for m in model.modules():
         if not hasattr(m, "gradient_checkpointing"):
             continue
         if layer_class is not None and isinstance(m, layer_class) and id(m) not in chosen:
             continue
-        setattr(m, "_gradient_checkpointing_func", func)
+        setattr(m, "_gradient_checkpointing_func", chosen.get(id(m), shared))
         setattr(m, "gradient_checkpointing", True)

@@ -698,3 +698,4 @@ checkpoint_policies = types.SimpleNamespace(
     save_and_offload_only_these_names=save_and_offload_only_these_names,
     offload_dot_with_no_batch_dims=offload_dot_with_no_batch_dims,
 )
+# ``memory_budget`` (budget.py, which imports this module) is added by ckptfx/__init__.py.

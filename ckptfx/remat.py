@@ -280,7 +280,11 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     if reporting():
         _, _, _, _, dyn_args, dyn_kwargs = flat.pytree()
         names = argument_names(fun, dyn_args, dyn_kwargs)
-    tracer = Tracer(frame, tensors, options.policy, names)
+    make_tracer = getattr(options.policy, "tracer_for", None)  # a memory budget plans
+    if make_tracer is not None:
+        tracer = make_tracer(fun, args, kwargs, tensors)(frame, tensors, names)
+    else:
+        tracer = Tracer(frame, tensors, options.policy, names)
     handles = collect(frame)
     _compat.push_saved_tensors_hooks(tracer.pack, residual_unpack_hook)
     try:

@@ -17,6 +17,7 @@ import optree
 import torch
 from torch import nn
 
+from . import budget
 from .func import modules_read_by
 from .policies import everything_saveable
 from .remat import RematOptions, call, unwrap
@@ -86,13 +87,12 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
     if inner is None:
         inner = (fun, RematOptions(everything_saveable, True, (), frozenset()))
     target, options = inner
-    report: list[tuple[Any, ...]] = []
-    outer, _stack.report = _stack.report, report
-    try:
-        with torch.enable_grad():
-            call(target, options, args, kwargs)
-    finally:
-        _stack.report = outer
+    budget.take_notes()  # notes of earlier calls are not this report's
+    report = _report(target, options, args, kwargs)
+    if any(note.planned_now for note in budget.peek_notes()):
+        # A memory budget planned in that call (and kept nothing, budget.py Rule 1): run
+        # again to list what later calls keep.
+        report = _report(target, options, args, kwargs)
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     modules = _modules(fun, target, leaves)
     outside = _outside_names(target, modules)
@@ -112,8 +112,21 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
     return out
 
 
+def _report(target: Callable[..., Any], options: RematOptions, args: tuple, kwargs: dict
+            ) -> list[tuple[Any, ...]]:
+    report: list[tuple[Any, ...]] = []
+    outer, _stack.report = _stack.report, report
+    try:
+        with torch.enable_grad():
+            call(target, options, args, kwargs)
+    finally:
+        _stack.report = outer
+    return report
+
+
 def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Print ``saved_residuals`` one per line, then the total bytes.
+    """Print ``saved_residuals`` one per line, then the total bytes; for blocks under a
+    ``memory_budget``, first what the budget chose and why (bytes kept, FLOPs recomputed).
 
     Example::
 
@@ -124,6 +137,8 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
         total: 3 residuals, 10.0 KiB (4.0 KiB beyond the arguments)
     """
     residuals = saved_residuals(fun, *args, **kwargs)
+    for note in budget.take_notes():
+        print(note.text)
     for r in residuals:
         print(r)
     total = sum(r.nbytes for r in residuals)

@@ -177,6 +177,14 @@ def recompute_handle_collector_ctx() -> Iterator[list[RecomputeHandle]]:
         _collector.reset(token)
 
 
+def forward_to_outer_collector(handles: list[RecomputeHandle]) -> None:
+    """Hand ``handles`` (collected by an inner collector that a library opened for itself)
+    to the collector active now, in order, as if no inner collector had been opened."""
+    outer = _collector.get()
+    if outer is not None:
+        outer.extend(handles)
+
+
 def collect(frame: Frame) -> list[RecomputeHandle] | None:
     """Called by the kernel when a frame's forward *starts*: the frame's handle takes its
     place in the innermost collector now, so handles are listed in the order their forwards

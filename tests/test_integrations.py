@@ -40,11 +40,11 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, n: int = 3) -> None:
+    def __init__(self, n: int = 3, p: float = 0.1) -> None:
         super().__init__()
         self.embed = nn.Linear(8, 8)
         self.heads = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])  # shorter list
-        self.blocks = nn.ModuleList([Block() for _ in range(n)])
+        self.blocks = nn.ModuleList([Block(p=p) for _ in range(n)])
         self.mixed = nn.ModuleList([nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.GELU()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -473,3 +473,83 @@ def test_timm_vit_gradients_bitwise(policy: Any) -> None:
     got_loss, got = _grads(model, x)
     assert torch.equal(got_loss, loss)
     assert_bitwise(got, expected)
+
+
+# -- a model-level memory budget -------------------------------------------------------------
+
+
+def _backward_flops(model: nn.Module, x: torch.Tensor) -> int:
+    """FLOPs of one backward (replays included), counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    loss = model(x.detach().requires_grad_()).pow(2).mean()
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.3, 1.0])
+def test_memory_budget_spreads_over_the_blocks_bitwise(budget: float) -> None:
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 8)
+    expected = [_grads(net, x) for _ in range(2)]
+    keys = list(net.state_dict())
+    ckptfx.apply_activation_checkpointing(net, memory_budget=budget)
+    policies = [b.__dict__["_ckptfx_options"]["policy"] for b in net.blocks]
+    assert len({id(p) for p in policies}) == len(net.blocks)  # one share per block
+    got = [_grads(net, x) for _ in range(2)]  # the first step plans, the second uses the plan
+    for g, e in zip(got, expected):
+        assert_bitwise([g[0], *g[1]], [e[0], *e[1]])
+    assert list(net.state_dict()) == keys
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    assert type(torch.load(buf, weights_only=False).blocks[0]) is type(net.blocks[0])
+
+
+def test_memory_budget_recomputes_less_with_more_budget() -> None:
+    x = torch.randn(4, 8)
+    flops = []
+    for budget in (0.0, 0.5, 1.0):
+        torch.manual_seed(0)
+        net = ckptfx.apply_activation_checkpointing(Net(p=0.0), memory_budget=budget)
+        _grads(net, x)  # plans
+        flops.append(_backward_flops(net, x))
+    torch.manual_seed(0)
+    plain = _backward_flops(Net(p=0.0), x)
+    assert flops[0] > flops[1] >= flops[2] == plain, (flops, plain)
+
+
+def test_memory_budget_bad_input_leaves_the_model_unchanged() -> None:
+    net = Net()
+    for kwargs, exc, words in [
+        ({"memory_budget": 1.5}, ValueError, r"\[0, 1\]"),
+        ({"memory_budget": "0.5"}, TypeError, "float"),
+        ({"memory_budget": 0.5, "policy": cp.dots_saveable}, ValueError, "not both"),
+    ]:
+        with pytest.raises(exc, match=words):
+            ckptfx.apply_activation_checkpointing(net, **kwargs)
+        assert all(type(b) is Block for b in net.blocks)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hf_memory_budget_gives_each_layer_its_share() -> None:
+    model = _hf_model("llama")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = _hf_step(model, ids, False)
+    nothing = ckptfx.apply_activation_checkpointing(_hf_model("llama"), memory_budget=0.0)
+    ckptfx.apply_activation_checkpointing(model, memory_budget=0.5)
+    layers = find_blocks(model)
+    policies = [layer._gradient_checkpointing_func.keywords["policy"] for layer in layers]
+    assert len({id(p) for p in policies}) == len(layers)  # one share per layer
+    for _ in range(2):  # planning step, then the planned one
+        _assert_same_step(_hf_step(model, ids, False), expected)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops = []
+    for m in (nothing, model):
+        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        flops.append(counter.get_total_flops())
+    assert flops[1] < flops[0], flops  # the planned layers keep values: less recompute
