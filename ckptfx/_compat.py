@@ -13,14 +13,36 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 
 
+def skip_dynamo(code: Any) -> None:
+    """Mark a code object so that dynamo never compiles it, nor the frames it calls.
+
+    A compiled function that runs where one of ckptfx's dispatch modes is active is run
+    eagerly by torch (a mode on the stack makes dynamo skip the frame), but the mode's own
+    handler is called with the mode popped: without this mark dynamo would compile the
+    handler itself (and trace ckptfx's recorder). The mark is a per-code flag read by the
+    C frame evaluator, free at run time, unlike ``torch._dynamo.disable``'s wrapper.
+    """
+    from torch._C._dynamo import eval_frame as _ef
+
+    _ef.set_code_exec_strategy(
+        code, _ef._FrameExecStrategy(_ef._FrameAction.SKIP, _ef._FrameAction.SKIP))
+
+
 class TorchDispatchMode(_TorchDispatchMode):
     """Base of ckptfx's dispatch modes. torch wraps every subclass's ``__torch_dispatch__`` in
-    a dynamo-disable shim that costs a few microseconds per op; ckptfx's handlers run eagerly
-    (under torch.compile ckptfx hands checkpointing to torch), so they opt out of it."""
+    a dynamo-disable shim that costs a few microseconds per op; ckptfx's handlers opt out of
+    the shim and mark their code as never compiled instead (``skip_dynamo``), which costs
+    nothing per op."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        handler = cls.__dict__.get("__torch_dispatch__")
+        if handler is not None and hasattr(handler, "__code__"):
+            skip_dynamo(handler.__code__)
 
 TORCH_VERSION = torch.__version__
 
