@@ -6,6 +6,7 @@ whose docstring opens with the rules it keeps.
 """
 
 from . import _compat
+from ._compile import CompiledBlockWarning, CompiledReplayWarning, CompileOffloadWarning
 from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
 from .frame import CheckpointError
 from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
@@ -28,6 +29,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CompileOffloadWarning",
+    "CompiledBlockWarning",
+    "CompiledReplayWarning",
     "Offload",
     "Residual",
     "UnusedNameWarning",

@@ -7,6 +7,7 @@ looked up once, at import, and a missing one fails loudly with the torch version
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Any, Callable
 
 import torch
@@ -113,6 +114,36 @@ def has_function_modes() -> bool:
 
 def is_compiling() -> bool:
     return torch.compiler.is_compiling()
+
+
+def run_at_trace_time(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` so that dynamo calls it for real while it traces (once per compilation)
+    and uses its result as a constant, with no graph break (``torch._dynamo``'s
+    ``assume_constant_result``, without importing dynamo)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_donated_buffer_refusal(err: BaseException) -> bool:
+    """True for AOT autograd's refusal to run a backward compiled with donated buffers
+    under ``retain_graph=True``."""
+    return "compiled with non-empty donated buffers" in str(err)
+
+
+def is_compiled_callable(fn: Any) -> bool:
+    """True for what ``torch.compile`` returns (a compiled function or ``OptimizedModule``)
+    and for a module compiled in place by ``module.compile()``."""
+    if getattr(fn, "_torchdynamo_orig_callable", None) is not None:
+        return True
+    if getattr(fn, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(fn, eval_frame.OptimizedModule)
+
+
+def is_compiled_backward_node(node: Any) -> bool:
+    """True for the autograd node of a ``torch.compile``d region (AOT autograd's)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
 
 
 def functorch_level() -> int:

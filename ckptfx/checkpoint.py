@@ -9,7 +9,7 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
-from . import _compat
+from . import _compat, _compile
 from ._debug import DebugLogs
 from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from .session import collect, uncollect
@@ -81,7 +81,11 @@ def checkpoint(
       is not restored, since the kernel does not see the block's ops: the replay would draw
       other numbers. ``ckptfx.remat`` records such generators and replays them exactly.
     - Under ``torch.no_grad``/``inference_mode`` the function just runs and nothing is saved.
-    - Under ``torch.compile`` the call is handed to torch's own checkpoint.
+    - Under ``torch.compile`` (dynamo tracing this call) it is torch's checkpoint op, with
+      random numbers replayed on every backend (see ``ckptfx._compile``); it joins no
+      recompute session (a ``CompiledReplayWarning`` says so). To keep sessions, prefire
+      and ``vjp_split``, compile the block and checkpoint the compiled block:
+      ``checkpoint(torch.compile(block), x)`` replays its compiled code.
 
     Args:
         function: the block; called as ``function(*args, **kwargs)``. Outputs may be any
@@ -128,13 +132,13 @@ def checkpoint(
 
 def torch_fallback(function: Callable[..., Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any], **options: Any) -> Any:
-    """Hand the call to torch's checkpoint (under ``torch.compile``, which traces that one).
-
-    ``context_fn`` is passed only when it is not the default: dynamo refuses an explicit
-    ``noop_context_fn`` ("checkpoint not implemented for SkipFunctionVariable context_fn").
-    """
-    if options.get("context_fn", noop_context_fn) is noop_context_fn:
-        options.pop("context_fn", None)
+    """Hand the call to torch's checkpoint (under ``torch.compile``, which traces that one),
+    with the context of ``ckptfx._compile.checkpoint_context_fn`` (dynamo's eager backend
+    would otherwise recompute with new random numbers)."""
+    _compile.note_lowered("ckptfx.checkpoint")
+    options.pop("debug", None)  # op traces of a compiled graph's replay: none to show
+    options["context_fn"] = _compile.checkpoint_context_fn(
+        options.get("context_fn", noop_context_fn), options.get("preserve_rng_state", True))
     return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **options,
                                         **kwargs)
 

@@ -165,6 +165,11 @@ def recompute_handle_collector_ctx() -> Iterator[list[RecomputeHandle]]:
         _collector.reset(token)
 
 
+def collecting() -> bool:
+    """True inside a ``recompute_handle_collector_ctx`` on this thread or task."""
+    return _collector.get() is not None
+
+
 def collect(frame: Frame) -> list[RecomputeHandle] | None:
     """Called by the kernel when a frame's forward *starts*: the frame's handle takes its
     place in the innermost collector now, so handles are listed in the order their forwards
