@@ -284,6 +284,7 @@ WRAPS = {
 }
 
 
+@pytest.mark.filterwarnings("ignore::ckptfx.CompiledBlockWarning")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("wrap", sorted(WRAPS))
@@ -330,7 +331,7 @@ def test_compiled_function_inside_a_remat_block_runs_eagerly_under_the_recorder(
     got, ticks = module_step([block], lambda b, h: b(h), params)
     assert_bitwise(got, expected)
     assert counting.compiles == 0  # torch does not compile under remat's dispatch mode
-    assert ticks == 1  # dots_saveable keeps fc1's output; the tick is not replayed
+    assert ticks == 2  # forward, and the replay of the recording (fc1 reads the tick's copy)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
