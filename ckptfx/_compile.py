@@ -69,8 +69,8 @@ from . import _compat, _env
 from .frame import CheckpointError, tls
 from .policies import NothingSaveable, Offload, Policy, call_policy, checkpoint_name, decide
 
-__all__ = ["CompileOffloadWarning", "CompiledBlockWarning", "CompiledPolicy", "CompiledReplayWarning", "Lowered",
-           "check_split_graph", "note_lowered"]
+__all__ = ["CompileOffloadWarning", "CompiledBlockWarning", "CompiledPolicy",
+           "CompiledReplayWarning", "Lowered", "check_split_graph", "note_lowered"]
 
 # Keyword names torch's checkpoint takes for itself: a block keyword argument with one of
 # these names is bound into the function instead of passed through.
@@ -234,8 +234,8 @@ class CompiledPolicy:
         if op is NAME_OP:
             if not isinstance(policy, Policy):
                 return CheckpointPolicy.PREFER_RECOMPUTE
-            op, args, kwargs = checkpoint_name, (args[0],), {"name": args[1]}
-            decision = call_policy(policy, ctx, op, args, kwargs)
+            x, name = args[0], args[1]
+            decision = call_policy(policy, ctx, checkpoint_name, (x,), {"name": name})
         elif isinstance(policy, Policy):
             decision = call_policy(policy, ctx, op, args, kwargs)
         else:

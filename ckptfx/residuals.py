@@ -104,12 +104,17 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
 
 
 def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Print ``saved_residuals`` one per line, then the total bytes."""
+    """Print ``saved_residuals`` one per line, then the total bytes (and, when the policy
+    offloads, that torch.compile keeps those values on the device instead)."""
     residuals = saved_residuals(fun, *args, **kwargs)
     for r in residuals:
         print(r)
     total = sum(r.nbytes for r in residuals)
     extra = sum(r.nbytes for r in residuals if r.kind != "argument")
+    if any(r.kind == "offloaded" for r in residuals):
+        # torch's compiled checkpoint cannot offload (see ckptfx._compile, Rule 4)
+        print("offloaded residuals stay in device memory when the block runs inside "
+              "torch.compile")
     print(f"total: {len(residuals)} residuals, {_bytes(total)} "
           f"({_bytes(extra)} beyond the arguments)")
 

@@ -227,6 +227,14 @@ def test_compiled_policy_answers_in_torch_terms() -> None:
                 is CheckpointPolicy.MUST_SAVE)
 
 
+def test_residual_report_says_compile_keeps_offloaded_values(
+        capsys: pytest.CaptureFixture) -> None:
+    ckptfx.print_saved_residuals(ckptfx.remat(body, policy=cp.offload_dot_with_no_batch_dims()),
+                                 make_params(), x_input())
+    assert "stay in device memory when the block runs inside torch.compile" in (
+        capsys.readouterr().out)
+
+
 def test_checkpoint_name_is_an_identity_outside_compile_and_an_op_inside() -> None:
     x = torch.randn(3)
     assert ckptfx.checkpoint_name(x, "a") is x
