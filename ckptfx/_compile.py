@@ -1,4 +1,6 @@
-"""remat under ``torch.compile``: lowered to torch's checkpoint with an equivalent policy.
+"""ckptfx under ``torch.compile``: remat lowered to torch's checkpoint op with an equivalent
+policy, ckptfx.checkpoint's context there, and the warnings where a compiled graph cannot do
+what ckptfx's frames do (sessions, offload, policies over compiled code).
 
 Rules
 
@@ -9,8 +11,8 @@ Rules
    partitioner keeps what the policy keeps and recomputes the rest. ckptfx's recorder,
    frames and hooks never enter the graph (no graph break, nothing of ckptfx traced).
    ``policy=None`` (and ``nothing_saveable``) recomputes everything, as torch's plain
-   checkpoint does. ``ckptfx.checkpoint`` under compile is the same op with its own
-   ``context_fn`` (or none).
+   checkpoint does. ``ckptfx.checkpoint`` under compile is the same op with the user's
+   ``context_fn`` (or one that recomputes everything), wrapped as in Rule 1b.
 1b. Random numbers: AOT autograd (aot_eager, inductor) traces the checkpoint op and the
    compiler replays its random ops. Dynamo's ``eager`` backend runs the op as torch's eager
    checkpoint with ``preserve_rng_state=False`` (torch 2.13), so a dropout mask would be
@@ -63,11 +65,11 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ._name_op import NAME_OP
-from .session import collecting
 from . import _compat, _env
+from ._name_op import NAME_OP
 from .frame import CheckpointError, tls
 from .policies import NothingSaveable, Offload, Policy, call_policy, checkpoint_name, decide
+from .session import collecting
 
 __all__ = ["CompileOffloadWarning", "CompiledBlockWarning", "CompiledPolicy",
            "CompiledReplayWarning", "Lowered", "check_split_graph", "note_lowered"]
