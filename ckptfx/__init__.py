@@ -14,6 +14,7 @@ Example::
 """
 
 from . import _compat
+from ._compile import CompiledBlockWarning, CompiledReplayWarning, CompileOffloadWarning
 from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
 from .frame import CheckpointError
 from .integrations import apply_activation_checkpointing
@@ -42,6 +43,9 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "apply_activation_checkpointing",
+    "CompileOffloadWarning",
+    "CompiledBlockWarning",
+    "CompiledReplayWarning",
     "Offload",
     "Residual",
     "UnusedNameWarning",

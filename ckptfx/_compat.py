@@ -8,20 +8,43 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 
 
+def skip_dynamo(code: Any) -> None:
+    """Mark a code object so that dynamo never compiles it, nor the frames it calls.
+
+    A compiled function that runs where one of ckptfx's dispatch modes is active is run
+    eagerly by torch (a mode on the stack makes dynamo skip the frame), but the mode's own
+    handler is called with the mode popped: without this mark dynamo would compile the
+    handler itself (and trace ckptfx's recorder). The mark is a per-code flag read by the
+    C frame evaluator, free at run time, unlike ``torch._dynamo.disable``'s wrapper.
+    """
+    from torch._C._dynamo import eval_frame as _ef
+
+    _ef.set_code_exec_strategy(
+        code, _ef._FrameExecStrategy(_ef._FrameAction.SKIP, _ef._FrameAction.SKIP))
+
+
 class TorchDispatchMode(_TorchDispatchMode):
     """Base of ckptfx's dispatch modes. torch wraps every subclass's ``__torch_dispatch__`` in
-    a dynamo-disable shim that costs a few microseconds per op; ckptfx's handlers run eagerly
-    (under torch.compile ckptfx hands checkpointing to torch), so they opt out of it."""
+    a dynamo-disable shim that costs a few microseconds per op; ckptfx's handlers opt out of
+    the shim and mark their code as never compiled instead (``skip_dynamo``), which costs
+    nothing per op."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        handler = cls.__dict__.get("__torch_dispatch__")
+        if handler is not None and hasattr(handler, "__code__"):
+            skip_dynamo(handler.__code__)
 
 TORCH_VERSION = torch.__version__
 
@@ -92,6 +115,36 @@ def has_function_modes() -> bool:
 
 def is_compiling() -> bool:
     return torch.compiler.is_compiling()
+
+
+def run_at_trace_time(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` so that dynamo calls it for real while it traces (once per compilation)
+    and uses its result as a constant, with no graph break (``torch._dynamo``'s
+    ``assume_constant_result``, without importing dynamo)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_donated_buffer_refusal(err: BaseException) -> bool:
+    """True for AOT autograd's refusal to run a backward compiled with donated buffers
+    under ``retain_graph=True``."""
+    return "compiled with non-empty donated buffers" in str(err)
+
+
+def is_compiled_callable(fn: Any) -> bool:
+    """True for what ``torch.compile`` returns (a compiled function or ``OptimizedModule``)
+    and for a module compiled in place by ``module.compile()``."""
+    if getattr(fn, "_torchdynamo_orig_callable", None) is not None:
+        return True
+    if getattr(fn, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(fn, eval_frame.OptimizedModule)
+
+
+def is_compiled_backward_node(node: Any) -> bool:
+    """True for the autograd node of a ``torch.compile``d region (AOT autograd's)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
 
 
 def functorch_level() -> int:

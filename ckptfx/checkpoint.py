@@ -9,7 +9,7 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
-from . import _compat
+from . import _compat, _compile
 from ._debug import DebugLogs
 from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from .policies import NameCheck, NothingSaveable, check_policy, name_check
@@ -98,14 +98,18 @@ def checkpoint(
       is not restored, since the kernel does not see the block's ops: the replay would draw
       other numbers. ``ckptfx.remat`` records such generators and replays them exactly.
     - Under ``torch.no_grad``/``inference_mode`` the function just runs and nothing is saved.
-    - Under ``torch.compile`` the call is handed to torch's own checkpoint.
     - With ``policy=`` the call is a ``ckptfx.remat`` call: the policy decides per op what
       the backward keeps, and only the rest is recomputed (see ``remat``). The RNG is then
       always restored and every replay is checked op by op, so ``preserve_rng_state`` and
-      ``determinism_check`` have nothing left to switch off. Under ``torch.compile`` the
-      policy becomes torch's selective-checkpoint context (values it would offload are
-      kept on the device, and ``checkpoint_name`` tags, which torch does not see, keep
-      nothing).
+      ``determinism_check`` have nothing left to switch off. Under ``torch.compile`` it is
+      lowered as a remat'd block is: torch's checkpoint op with a selective-checkpoint
+      policy equivalent to ``policy`` (``checkpoint_name`` tags included; values it would
+      offload are kept on the device).
+    - Under ``torch.compile`` (dynamo tracing this call) it is torch's checkpoint op, with
+      random numbers replayed on every backend (see ``ckptfx._compile``); it joins no
+      recompute session (a ``CompiledReplayWarning`` says so). To keep sessions, prefire
+      and ``vjp_split``, compile the block and checkpoint the compiled block:
+      ``checkpoint(torch.compile(block), x)`` replays its compiled code.
 
     Args:
         function: the block; called as ``function(*args, **kwargs)``. Outputs may be any
@@ -164,13 +168,13 @@ def checkpoint(
 
 def torch_fallback(function: Callable[..., Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any], **options: Any) -> Any:
-    """Hand the call to torch's checkpoint (under ``torch.compile``, which traces that one).
-
-    ``context_fn`` is passed only when it is not the default: dynamo refuses an explicit
-    ``noop_context_fn`` ("checkpoint not implemented for SkipFunctionVariable context_fn").
-    """
-    if options.get("context_fn", noop_context_fn) is noop_context_fn:
-        options.pop("context_fn", None)
+    """Hand the call to torch's checkpoint (under ``torch.compile``, which traces that one),
+    with the context of ``ckptfx._compile.checkpoint_context_fn`` (dynamo's eager backend
+    would otherwise recompute with new random numbers)."""
+    _compile.note_lowered("ckptfx.checkpoint")
+    options.pop("debug", None)  # op traces of a compiled graph's replay: none to show
+    options["context_fn"] = _compile.checkpoint_context_fn(
+        options.get("context_fn", noop_context_fn), options.get("preserve_rng_state", True))
     return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **options,
                                         **kwargs)
 
@@ -184,12 +188,10 @@ def run_with_policy(function: Callable[..., Any], args: tuple[Any, ...],
     a bare ``checkpoint(fn, policy=...)`` call has none, since each call may be a new
     function (Hugging Face passes a fresh ``functools.partial`` per layer call).
     """
-    from ._torch_sac import selective_context_fn
-
-    if _compat.is_compiling():
-        return torch_fallback(function, args, kwargs, context_fn=selective_context_fn(policy),
-                              early_stop=early_stop)
-    selective_context_fn(policy)  # made now, outside compiled code, for compiled calls later
+    if _compat.is_compiling():  # as remat under compile (ckptfx._compile, Rule 1)
+        return _compile.lower(function, _compile.policy_context_fn(policy), args, kwargs,
+                              "ckptfx.checkpoint(policy=...)")
+    _compile.policy_context_fn(policy)  # made now, outside compiled code, for compiled calls
     # Imported here, not at the top: a policy turns the call into a transform (remat), and
     # the kernel modules never import a transform at import time.
     from .remat import RematOptions, call
@@ -336,10 +338,8 @@ def checkpoint_wrapper(module: M, **checkpoint_kwargs: Any) -> M:
     # Through __dict__: nn.Module.__setattr__ would look for parameters and submodules.
     module.__dict__["_ckptfx_options"] = dict(checkpoint_kwargs)
     module.__dict__["_ckptfx_names"] = name_check(checkpoint_kwargs.get("policy"))
-    if "policy" in checkpoint_kwargs:
-        from ._torch_sac import selective_context_fn
-
-        selective_context_fn(checkpoint_kwargs["policy"])  # for compiled calls (see there)
+    if "policy" in checkpoint_kwargs:  # made now, outside compiled code, for compiled calls
+        _compile.policy_context_fn(checkpoint_kwargs["policy"])
     return module
 
 

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Union
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from . import _name_op
 from ._tracers import active_tracer, tracer_stack as _stack
 
 __all__ = [
@@ -132,7 +133,8 @@ def checkpoint_name(x: Any, name: str) -> Any:
     value becomes visible to ``save_only_these_names`` and friends, and a saved residual
     is reported as ``named 'name' at file:line``. A name-based policy naming a value that
     no ``checkpoint_name`` of the block's forward uses gets one ``ckptfx.UnusedNameWarning``
-    per remat'd function (see ``remat``).
+    per remat'd function (see ``remat``). Under ``torch.compile`` it is an op of the graph
+    (a copy of ``x``) that the compiled policy reads the name from.
 
     Example::
 
@@ -143,6 +145,8 @@ def checkpoint_name(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if torch.compiler.is_compiling():  # an op the compiled policy sees (_name_op.py)
+        return _name_op.tag(x, name) if isinstance(x, torch.Tensor) else x
     tracer = active_tracer()
     if tracer is None:
         return x

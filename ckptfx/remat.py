@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import optree
 import torch
 
-from . import _compat
+from . import _compat, _compile
 from .frame import Frame, refuse_new_frame_in_scheduled_replay
 from .func import call_function_path
 from .policies import (
@@ -130,9 +130,16 @@ def _decorate(fun: F, *, options: RematOptions) -> F:
     _check_static_against_signature(fun, options)
 
     names = name_check(options.policy)
+    lowered = _compile.Lowered(fun, options.policy)
+    compiled = _compat.is_compiled_callable(fun)
 
     @functools.wraps(fun)
     def remat_call(*args: Any, **kwargs: Any) -> Any:
+        if _compat.is_compiling():  # dynamo traces this call: torch's checkpoint op
+            return lowered(args, kwargs)
+        if compiled:  # checkpointed whole (_compile.py, Rule 6)
+            return _compile.call_compiled(fun, options.policy, options.early_stop, args,
+                                          kwargs)
         return call(fun, options, args, kwargs, names)
 
     remat_call.__ckptfx_remat__ = (fun, options)  # type: ignore[attr-defined]

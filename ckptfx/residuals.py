@@ -135,6 +135,9 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
         f32[32,32] from the parameter self_attn.q_proj.weight
         f32[16,64] output of aten.mm at modeling_llama.py:164 (forward)
         total: 3 residuals, 10.0 KiB (4.0 KiB beyond the arguments)
+
+    When the policy offloads, a last line says that under torch.compile those values stay
+    on the device instead.
     """
     residuals = saved_residuals(fun, *args, **kwargs)
     for note in budget.take_notes():
@@ -143,6 +146,10 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
         print(r)
     total = sum(r.nbytes for r in residuals)
     extra = sum(r.nbytes for r in residuals if r.kind != "argument")
+    if any(r.kind == "offloaded" for r in residuals):
+        # torch's compiled checkpoint cannot offload (see ckptfx._compile, Rule 4)
+        print("offloaded residuals stay in device memory when the block runs inside "
+              "torch.compile")
     print(f"total: {len(residuals)} residuals, {_bytes(total)} "
           f"({_bytes(extra)} beyond the arguments)")
 

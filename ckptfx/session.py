@@ -183,6 +183,9 @@ def forward_to_outer_collector(handles: list[RecomputeHandle]) -> None:
     outer = _collector.get()
     if outer is not None:
         outer.extend(handles)
+def collecting() -> bool:
+    """True inside a ``recompute_handle_collector_ctx`` on this thread or task."""
+    return _collector.get() is not None
 
 
 def collect(frame: Frame) -> list[RecomputeHandle] | None:

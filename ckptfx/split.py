@@ -51,6 +51,7 @@ import optree
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from . import _compile
 from .frame import CheckpointError, tls
 from .session import (
     RecomputeHandle,
@@ -416,6 +417,10 @@ class _Split:
         else:
             out, self.aux = res, None
         self.handles: list[RecomputeHandle] = handles
+        if not handles:
+            _compile.check_split_graph(
+                [t for t in optree.tree_leaves(out, none_is_leaf=True)
+                 if isinstance(t, torch.Tensor)], who)
         leaves, self.out_treedef = optree.tree_flatten(out, none_is_leaf=True)
         self.out_leaves_meta = [
             (i, leaf.shape) for i, leaf in enumerate(leaves)
@@ -561,6 +566,9 @@ class _Split:
                                 outputs, x_req, self.cotangents, retain_graph=True,
                                 allow_unused=True,
                             )
+                        except RuntimeError as err:
+                            _compile.explain_donated_buffers(err, self.who)
+                            raise
                         finally:
                             act.log = None
                     if self.session_obj is None and len(act.session.frames):

@@ -6,6 +6,8 @@ RNG and autocast handling, worker-thread backward, the torch.compile fallback, a
 
 from __future__ import annotations
 
+import functools
+
 import gc
 import threading
 import weakref
@@ -225,7 +227,10 @@ def test_is_compiling_branch_calls_torch_checkpoint(monkeypatch, wrapped: bool) 
         out = ckptfx.checkpoint(lin, x, early_stop=False)
     assert len(calls) == 1
     assert calls[0]["use_reentrant"] is False and calls[0]["early_stop"] is False
-    assert "context_fn" not in calls[0]  # dynamo refuses torch's noop_context_fn passed in
+    # never torch's noop_context_fn (dynamo refuses it passed in): ckptfx's own, a partial
+    # dynamo accepts, which replays random numbers under the eager backend (_compile.py)
+    assert calls[0]["context_fn"] is not torch_checkpoint.noop_context_fn
+    assert isinstance(calls[0]["context_fn"], functools.partial)
     assert torch.equal(out, torch.nn.functional.linear(x, lin.weight, lin.bias))
 
 
