@@ -45,6 +45,17 @@ Rules (the invariants the code below keeps; read these before changing it)
    stops as torch does; if the last tensors are its inputs, the op reaches the watch next,
    which runs it only when it writes one of them, then stops. The watch sees only the ops
    between the last two saving ops, and torch.compile ignores it.
+
+6b. The watch costs a dispatch mode for a few ops of every replay, so a frame whose last
+   saving op provably writes none of its arguments goes without it (``watch_last_op``): the
+   pack hook's stop is then exactly what the watch would do (stop before the op runs). The
+   proof comes at the end of the forward, from the outputs' autograd graph: the node the
+   last packs were made for (sequence number ``op_seq - 1``) is found by a short walk from
+   the outputs, and its op is named from the node's class (``_ops.node_never_writes_an_input``).
+   Anything short of a proof keeps the watch: the node not found within the walk, a node of
+   a custom Function or of compiled code, a name that does not map back to an ATen op, an op
+   with a writable argument, or a frame created inside this one's forward (its inputs are
+   packed outside any op, so the last pack need not belong to that node).
 7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
    a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
    and checks are the frame's.
@@ -63,12 +74,13 @@ import threading
 import weakref
 from typing import Any, Callable, Hashable
 
+import optree
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _compat
 from ._env import ReplayEnv
-from ._ops import op_info
+from ._ops import node_never_writes_an_input, op_info
 
 __all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
 
@@ -158,6 +170,35 @@ def _writes_one_of(func: Any, args: tuple, kwargs: dict, ids: set[int]) -> bool:
     return False
 
 
+_frames_made = 0  # frames created so far (any thread; Rule 6b only asks "did it change")
+_NODE_WALK = 64   # nodes Rule 6b's walk visits at most
+
+
+def _node_of(outputs: Any, seq: int) -> Any:
+    """The autograd node with sequence number ``seq`` reachable from ``outputs``, or None.
+
+    Edges point to nodes made earlier (smaller numbers), so the walk prunes below ``seq``."""
+    if isinstance(outputs, torch.Tensor):
+        leaves: Any = (outputs,)
+    elif isinstance(outputs, (tuple, list)):
+        leaves = outputs
+    else:
+        leaves = optree.tree_leaves(outputs, none_is_leaf=True)
+    stack = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while stack and len(seen) < _NODE_WALK:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        n = node._sequence_nr()
+        if n == seq:
+            return node
+        if n > seq:
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+    return None
+
+
 class Holder:
     """What autograd stores in place of a saved tensor: its frame and its position."""
 
@@ -180,7 +221,7 @@ class Frame:
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
         "recompute_ctx", "debug", "replays", "active", "session",
         "forward_done", "ignore_count", "shared", "op_seq", "prev_op_seq", "last_op_first",
-        "__weakref__",
+        "watch_last_op", "frames_made", "__weakref__",
     )
 
     def __init__(
@@ -195,6 +236,9 @@ class Frame:
         recompute_ctx: Any = None,
         debug: Any = None,
     ) -> None:
+        global _frames_made
+        _frames_made += 1  # Rule 6b: an enclosing frame's last pack may be one of ours
+        self.frames_made = _frames_made
         self.fn = fn
         # Saved under the hooks active now: the parent frame's, when nested.
         self.inputs = [
@@ -220,6 +264,7 @@ class Frame:
         # saving op's first pack.
         self.op_seq = self.prev_op_seq = _compat.next_sequence_nr()
         self.last_op_first = 0
+        self.watch_last_op = True  # Rule 6b: cleared by forward_finished when not needed
         self.ignore_count = False
         # Positions whose replayed tensor aliases an input or a parameter (costs no memory),
         # found by the first function replay (None until then); read by session stats.
@@ -242,8 +287,15 @@ class Frame:
             self.prev_op_seq, self.op_seq = self.op_seq, seq
             self.last_op_first = position
 
-    def forward_finished(self) -> None:
+    def forward_finished(self, outputs: Any = None) -> None:
+        """End of the forward. Given the block's ``outputs``, the frame looks for the proof
+        that its replay's early stop needs no watch (Rule 6b)."""
         self.forward_done = True
+        if (outputs is not None and self.early_stop and self.holders
+                and _frames_made == self.frames_made):
+            node = _node_of(outputs, self.op_seq - 1)
+            if node is not None and node_never_writes_an_input(node):
+                self.watch_last_op = False
 
     def saved_inputs(self) -> list[Any]:
         return [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.inputs]
@@ -371,7 +423,8 @@ class _Recorder:
         n = len(tensors)
         self.stop_at = n if frame.early_stop and n else -1
         # Rule 6: from the pack at this position on, _LastOpWatch sees the replay's ops.
-        self.last_op_first = frame.last_op_first if self.stop_at > 0 else -1
+        self.last_op_first = (frame.last_op_first if self.stop_at > 0 and frame.watch_last_op
+                              else -1)
         self.last_op_seq = -1  # the sequence number the last op's packs see (set by arm)
         self.watch: _LastOpWatch | None = None
         self.last_op_ran = False
