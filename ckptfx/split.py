@@ -614,8 +614,8 @@ class _Split:
                     seeds.append(self.cotangents[i])
                 if edges:
                     work.append((g, edges, seeds))
-            for k, (g, edges, seeds) in enumerate(work):
-                last = k == len(work) - 1
+            def run_group(g: _Group, edges: list[GradientEdge], seeds: list[torch.Tensor],
+                          last: bool) -> None:
                 hooks = []
                 try:
                     if len(g.intermediates) > 1:
@@ -625,16 +625,26 @@ class _Split:
                             saved = self.captured.get(node)
                             if saved is not None:
                                 hooks.append(node.register_prehook(lambda _, s=saved: s))
-                    with recompute_session_ctx(self.key, retain_on_unpack=not last):
-                        res = torch.autograd.grad(
-                            edges, [self.w_edges[i] for i in g.weights], seeds,
-                            retain_graph=not last, allow_unused=True,
-                        )
+                    res = torch.autograd.grad(
+                        edges, [self.w_edges[i] for i in g.weights], seeds,
+                        retain_graph=not last, allow_unused=True,
+                    )
                 finally:
                     for h in hooks:
                         h.remove()
                 for i, r in zip(g.weights, res):
                     wgrads[i] = r
+
+            # One retaining session context for every group but the last, one dropping
+            # context for the last (a context per group bound and unbound every frame each
+            # time: with one dw call per parameter that was most of a small block's dw).
+            if len(work) > 1:
+                with recompute_session_ctx(self.key, retain_on_unpack=True):
+                    for g, edges, seeds in work[:-1]:
+                        run_group(g, edges, seeds, False)
+            if work:
+                with recompute_session_ctx(self.key, retain_on_unpack=False):
+                    run_group(*work[-1], True)
             # Accumulate into .grad as backward() would; never alias a caller's tensor.
             aliases = {c.untyped_storage().data_ptr() for c in self.cotangents if c is not None}
             for saved in self.captured.values():
