@@ -4,7 +4,9 @@
 
 All variants of a part run in one process, alternated (A B C ... then C B A ...), one
 thread; each figure is a median over rounds, reported as a ratio to its alternative in the
-same run, with the interquartile range of the per-round ratios (the spread). Parts:
+same run, with the interquartile range of the per-round ratios (the spread). Times are the
+benchmarking thread's CPU time (``time.thread_time``): on a machine shared with other work
+the wall clock also counts the time the other processes held the cores. Parts:
 
 remat   forward of a transformer block (d=64 / d=256): ``remat(nothing_saveable)`` vs
         torch's checkpoint, ``remat(dots_saveable)`` vs torch's selective checkpoint (SAC)
@@ -94,10 +96,10 @@ def rounds_of(fns: dict[str, Callable[[], Any]], rounds: int, inner: int = 1
     for r in range(rounds):
         for k in (names if r % 2 == 0 else names[::-1]):
             fn = fns[k]
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             for _ in range(inner):
                 fn()
-            times[k].append((time.perf_counter() - t0) / inner)
+            times[k].append((time.thread_time() - t0) / inner)
     return times
 
 
