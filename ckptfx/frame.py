@@ -51,7 +51,9 @@ Rules (the invariants the code below keeps; read these before changing it)
    pack hook's stop is then exactly what the watch would do (stop before the op runs). The
    proof comes at the end of the forward, from the outputs' autograd graph: the node the
    last packs were made for (sequence number ``op_seq - 1``) is found by a short walk from
-   the outputs, and its op is named from the node's class (``_ops.node_never_writes_an_input``).
+   the outputs, shown to be the one that saved the last holder (autograd hands out the
+   packed object of a saved variable), and its op is named from the node's class
+   (``_ops.node_never_writes_an_input``).
    Anything short of a proof keeps the watch: the node not found within the walk, a node of
    a custom Function or of compiled code, a name that does not map back to an ATen op, an op
    with a writable argument, or a frame created inside this one's forward (its inputs are
@@ -199,6 +201,24 @@ def _node_of(outputs: Any, seq: int) -> Any:
     return None
 
 
+_RAW_SAVED: dict[type, tuple[str, ...]] = {}
+
+
+def _holds(node: Any, packed: Any) -> bool:
+    """True if ``node`` saved ``packed`` (what a pack hook returned for it): the node is the
+    op that made that pack, whatever its sequence number says (numbers are per thread)."""
+    names = _RAW_SAVED.get(type(node))
+    if names is None:
+        names = _RAW_SAVED[type(node)] = tuple(n for n in dir(node)
+                                                if n.startswith("_raw_saved_"))
+    for name in names:
+        saved = getattr(node, name)
+        for st in saved if isinstance(saved, (list, tuple)) else (saved,):
+            if st is not None and st.data is packed:
+                return True
+    return False
+
+
 class Holder:
     """What autograd stores in place of a saved tensor: its frame and its position."""
 
@@ -293,8 +313,10 @@ class Frame:
         self.forward_done = True
         if (outputs is not None and self.early_stop and self.holders
                 and _frames_made == self.frames_made):
-            node = _node_of(outputs, self.op_seq - 1)
-            if node is not None and node_never_writes_an_input(node):
+            last = self.holders[-1]()
+            node = _node_of(outputs, self.op_seq - 1) if last is not None else None
+            if (node is not None and node_never_writes_an_input(node)
+                    and _holds(node, last)):
                 self.watch_last_op = False
 
     def saved_inputs(self) -> list[Any]:
