@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
-__all__ = ["OpInfo", "node_never_writes_an_input", "op_info"]
+__all__ = ["OpInfo", "op_info"]
 
 aten = torch.ops.aten
 _EMPTY_OPS = frozenset({
@@ -54,36 +53,3 @@ def op_info(func: Any) -> OpInfo:
         info = _OP_INFO[func] = OpInfo(func)
     return info
 
-
-_CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
-_NODE_SAFE: dict[type, bool] = {}
-
-
-def node_never_writes_an_input(node: Any) -> bool:
-    """True if the op behind autograd ``node`` provably writes none of its arguments in place
-    (bar an ``out=``), so it cannot fill a tensor it saved: the early stop of frame.py Rule 6
-    needs no dispatch mode to watch it. Only torch's generated C++ nodes are judged, by name
-    (``RreluWithNoiseBackward0`` is ``aten.rrelu_with_noise``, whose ``noise`` is written);
-    any node whose op cannot be named that way (custom Functions, compiled code, names that
-    do not map back) is False: the caller keeps watching. Cached per node class."""
-    cls = type(node)
-    safe = _NODE_SAFE.get(cls)
-    if safe is None:
-        safe = _NODE_SAFE[cls] = _judge(cls)
-    return safe
-
-
-def _judge(cls: type) -> bool:
-    if cls.__module__ != "builtins":  # a Python-defined node (autograd.Function, compile)
-        return False
-    m = re.fullmatch(r"([A-Z][A-Za-z0-9]*?)Backward\d*", cls.__name__)
-    if m is None:
-        return False
-    packet = getattr(aten, _CAMEL.sub("_", m.group(1)).lower(), None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return False
-    for name in packet.overloads():
-        for a in getattr(packet, name)._schema.arguments:
-            if a.alias_info is not None and a.alias_info.is_write and not a.is_out:
-                return False
-    return True

@@ -53,7 +53,7 @@ Rules (the invariants the code below keeps; read these before changing it)
    last packs were made for (sequence number ``op_seq - 1``) is found by a short walk from
    the outputs, shown to be the one that saved the last holder (autograd hands out the
    packed object of a saved variable), and its op is named from the node's class
-   (``_ops.node_never_writes_an_input``).
+   (``_last_op.py``).
    Anything short of a proof keeps the watch: the node not found within the walk, a node of
    a custom Function or of compiled code, a name that does not map back to an ATen op, an op
    with a writable argument, or a frame created inside this one's forward (its inputs are
@@ -76,13 +76,13 @@ import threading
 import weakref
 from typing import Any, Callable, Hashable
 
-import optree
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _compat
 from ._env import ReplayEnv
-from ._ops import node_never_writes_an_input, op_info
+from ._last_op import last_op_writes_nothing
+from ._ops import op_info
 
 __all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
 
@@ -173,52 +173,6 @@ def _writes_one_of(func: Any, args: tuple, kwargs: dict, ids: set[int]) -> bool:
 
 
 _frames_made = 0  # frames created so far (any thread; Rule 6b only asks "did it change")
-_NODE_WALK = 64   # nodes Rule 6b's walk visits at most
-
-
-def _node_of(outputs: Any, seq: int) -> Any:
-    """The autograd node with sequence number ``seq`` reachable from ``outputs``, or None.
-
-    Edges point to nodes made earlier (smaller numbers), so the walk prunes below ``seq``."""
-    if isinstance(outputs, torch.Tensor):
-        leaves: Any = (outputs,)
-    elif isinstance(outputs, (tuple, list)):
-        leaves = outputs
-    else:
-        leaves = optree.tree_leaves(outputs, none_is_leaf=True)
-    stack = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[Any] = set()
-    while stack and len(seen) < _NODE_WALK:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        n = node._sequence_nr()
-        if n == seq:
-            return node
-        if n > seq:
-            stack.extend(child for child, _ in node.next_functions if child is not None)
-    return None
-
-
-_RAW_SAVED: dict[type, tuple[str, ...]] = {}
-
-
-def _holds(node: Any, packed: Any) -> bool:
-    """True if ``node`` saved ``packed`` (what a pack hook returned for it): the node is the
-    op that made that pack, whatever its sequence number says (numbers are per thread)."""
-    names = _RAW_SAVED.get(type(node))
-    if names is None:
-        names = _RAW_SAVED[type(node)] = tuple(n for n in dir(node)
-                                                if n.startswith("_raw_saved_"))
-    for name in names:
-        saved = getattr(node, name)
-        for st in saved if isinstance(saved, (list, tuple)) else (saved,):
-            if st is not None and st.data is packed:
-                return True
-    return False
-
-
 class Holder:
     """What autograd stores in place of a saved tensor: its frame and its position."""
 
@@ -314,9 +268,7 @@ class Frame:
         if (outputs is not None and self.early_stop and self.holders
                 and _frames_made == self.frames_made):
             last = self.holders[-1]()
-            node = _node_of(outputs, self.op_seq - 1) if last is not None else None
-            if (node is not None and node_never_writes_an_input(node)
-                    and _holds(node, last)):
+            if last is not None and last_op_writes_nothing(outputs, self.op_seq - 1, last):
                 self.watch_last_op = False
 
     def saved_inputs(self) -> list[Any]:

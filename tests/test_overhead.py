@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 
 import ckptfx
-from ckptfx._ops import node_never_writes_an_input
+from ckptfx._last_op import node_never_writes_an_input
 from ckptfx.trace import _flatten, _out_leaves
 from conftest import OpCounter, assert_bitwise
 
