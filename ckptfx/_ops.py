@@ -52,4 +52,3 @@ def op_info(func: Any) -> OpInfo:
     if info is None:
         info = _OP_INFO[func] = OpInfo(func)
     return info
-
