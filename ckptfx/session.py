@@ -332,6 +332,22 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
     replayed for this session is not replayed again; a handle whose graph was freed does
     nothing. If the replay raises, the session can be cleared (or the prefire retried).
     """
+    registered = _register_handle(handle, session_id)
+    if registered is not None:
+        frame, session = registered
+        if frame.replays.get(session) is None:
+            frame.replay(session, scheduled=True)
+
+
+def register_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
+    """``recompute_handle`` without the replay: register (and, inside the session's open
+    context, bind) the handle's frame, which then replays at its first unpack under the
+    session, on whatever thread unpacks it (Rule 3), as a prefired frame would have."""
+    _register_handle(handle, session_id)
+
+
+def _register_handle(handle: RecomputeHandle, session_id: Hashable
+                     ) -> tuple[Frame, Session] | None:
     if not isinstance(handle, RecomputeHandle):
         raise ValueError(
             "handle must be a RecomputeHandle from ckptfx.recompute_handle_collector_ctx(), "
@@ -346,7 +362,7 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
         )
     frame = handle.frame
     if frame is None:
-        return
+        return None
     with _lock:
         existing = _registry.get(session_id)
         session = existing if existing is not None else _session(session_id)
@@ -364,8 +380,7 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
             if existing is None:  # a rejected prefire leaves no session behind
                 _registry.pop(session_id, None)
             raise
-    if frame.replays.get(session) is None:
-        frame.replay(session, scheduled=True)
+    return frame, session
 
 
 def clear_recompute_session(session_id: Hashable) -> None:

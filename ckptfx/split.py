@@ -7,8 +7,11 @@ Rules
    autograd graph: the outputs it returns are detached (like ``jax.vjp``'s primal output), so
    the graph lives exactly as long as the split has work to do.
 
-2. dx prefires the session (unless a scheduler already did, ``dx_fn.prefire()``), then runs one
-   ``autograd.grad`` for the inputs under ``recompute_session_ctx(key, retain_on_unpack=True)``.
+2. dx registers every block of the forward to the session (unless a scheduler prefired them,
+   ``dx_fn.prefire()``), then runs one ``autograd.grad`` for the inputs under
+   ``recompute_session_ctx(key, retain_on_unpack=True)``; each block is replayed at its first
+   unpack there, once, as a fused backward replays it (next to its use, not all blocks ahead
+   of the backward: the replayed tensors are still in cache when read).
    Pre-hooks on the *intermediate* nodes (the nodes of the input path from which a weight path
    leaves) capture the gradients flowing into them. The engine computes only the edges it
    needs, so dx does only the input half of each node that has both.
@@ -58,6 +61,7 @@ from .session import (
     recompute_handle,
     recompute_handle_collector_ctx,
     recompute_session_ctx,
+    register_handle,
 )
 
 __all__ = ["SplitInputFn", "SplitWeightFn", "grad_split", "vjp_split", "weight_pass_nodes"]
@@ -475,13 +479,14 @@ class _Split:
                 )
             self._prefire()
 
-    def _prefire(self) -> None:
+    def _prefire(self, replay: bool = True) -> None:
+        """Register every block to the session and, with ``replay``, replay it now."""
         if self.prefired:
             self._check_not_cleared()
             return
         try:
             for h in self.handles:
-                recompute_handle(h, self.key)
+                (recompute_handle if replay else register_handle)(h, self.key)
         except BaseException:
             # Leave nothing half-replayed: a retry starts from a clean session.
             clear_recompute_session(self.key)
@@ -525,7 +530,7 @@ class _Split:
             cots = self._check_cotangent(cotangent)
             self.state = "dx"
         try:
-            self._prefire()
+            self._prefire(replay=False)  # Rule 2: each block replays at its first unpack
             used = [i for i, c in enumerate(cots) if c is not None]
             self.cotangents = [cots[i] for i in used]
             outputs = [self.outputs[i] for i in used]
