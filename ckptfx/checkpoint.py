@@ -245,7 +245,7 @@ def run_checkpointed(
             "raised by the checkpointed function; checkpoint has no output to return for a "
             "failed forward."
         )
-    frame.forward_finished()
+    frame.forward_finished(out)
     return out
 
 

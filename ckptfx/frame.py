@@ -45,6 +45,19 @@ Rules (the invariants the code below keeps; read these before changing it)
    stops as torch does; if the last tensors are its inputs, the op reaches the watch next,
    which runs it only when it writes one of them, then stops. The watch sees only the ops
    between the last two saving ops, and torch.compile ignores it.
+
+6b. The watch costs a dispatch mode for a few ops of every replay, so a frame whose last
+   saving op provably writes none of its arguments goes without it (``watch_last_op``): the
+   pack hook's stop is then exactly what the watch would do (stop before the op runs). The
+   proof comes at the end of the forward, from the outputs' autograd graph: the node the
+   last packs were made for (sequence number ``op_seq - 1``) is found by a short walk from
+   the outputs, shown to be the one that saved the last holder (autograd hands out the
+   packed object of a saved variable), and its op is named from the node's class
+   (``_last_op.py``).
+   Anything short of a proof keeps the watch: the node not found within the walk, a node of
+   a custom Function or of compiled code, a name that does not map back to an ATen op, an op
+   with a writable argument, or a frame created inside this one's forward (its inputs are
+   packed outside any op, so the last pack need not belong to that node).
 7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
    a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
    and checks are the frame's.
@@ -68,6 +81,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _compat
 from ._env import ReplayEnv
+from ._last_op import last_op_writes_nothing
 from ._ops import op_info
 
 __all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
@@ -167,6 +181,7 @@ def _writes_one_of(func: Any, args: tuple, kwargs: dict, ids: set[int]) -> bool:
     return False
 
 
+_frames_made = 0  # frames created so far (any thread; Rule 6b only asks "did it change")
 class Holder:
     """What autograd stores in place of a saved tensor: its frame and its position."""
 
@@ -189,7 +204,7 @@ class Frame:
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
         "recompute_ctx", "debug", "replays", "active", "session",
         "forward_done", "ignore_count", "shared", "op_seq", "prev_op_seq", "last_op_first",
-        "__weakref__",
+        "watch_last_op", "frames_made", "__weakref__",
     )
 
     def __init__(
@@ -204,6 +219,9 @@ class Frame:
         recompute_ctx: Any = None,
         debug: Any = None,
     ) -> None:
+        global _frames_made
+        _frames_made += 1  # Rule 6b: an enclosing frame's last pack may be one of ours
+        self.frames_made = _frames_made
         self.fn = fn
         # Saved under the hooks active now: the parent frame's, when nested.
         self.inputs: list[Any] = [
@@ -229,6 +247,7 @@ class Frame:
         # saving op's first pack.
         self.op_seq = self.prev_op_seq = _compat.next_sequence_nr()
         self.last_op_first = 0
+        self.watch_last_op = True  # Rule 6b: cleared by forward_finished when not needed
         self.ignore_count = False
         # Positions whose replayed tensor aliases an input or a parameter (costs no memory),
         # found by the first function replay (None until then); read by session stats.
@@ -251,8 +270,15 @@ class Frame:
             self.prev_op_seq, self.op_seq = self.op_seq, seq
             self.last_op_first = position
 
-    def forward_finished(self) -> None:
+    def forward_finished(self, outputs: Any = None) -> None:
+        """End of the forward. Given the block's ``outputs``, the frame looks for the proof
+        that its replay's early stop needs no watch (Rule 6b)."""
         self.forward_done = True
+        if (outputs is not None and self.early_stop and self.holders
+                and _frames_made == self.frames_made):
+            last = self.holders[-1]()
+            if last is not None and last_op_writes_nothing(outputs, self.op_seq - 1, last):
+                self.watch_last_op = False
 
     def saved_inputs(self) -> list[Any]:
         return [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.inputs]
@@ -380,7 +406,8 @@ class _Recorder:
         n = len(tensors)
         self.stop_at = n if frame.early_stop and n else -1
         # Rule 6: from the pack at this position on, _LastOpWatch sees the replay's ops.
-        self.last_op_first = frame.last_op_first if self.stop_at > 0 else -1
+        self.last_op_first = (frame.last_op_first if self.stop_at > 0 and frame.watch_last_op
+                              else -1)
         self.last_op_seq = -1  # the sequence number the last op's packs see (set by arm)
         self.watch: _LastOpWatch | None = None
         self.last_op_ran: bool | None = False

@@ -364,6 +364,22 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
         with ckptfx.recompute_session_ctx("mb0", retain_on_unpack=True):
             dx = torch.autograd.grad(out, x, g, retain_graph=True)   # reads the prefired replay
     """
+    registered = _register_handle(handle, session_id)
+    if registered is not None:
+        frame, session = registered
+        if frame.replays.get(session) is None:
+            frame.replay(session, scheduled=True)
+
+
+def register_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
+    """``recompute_handle`` without the replay: register (and, inside the session's open
+    context, bind) the handle's frame, which then replays at its first unpack under the
+    session, on whatever thread unpacks it (Rule 3), as a prefired frame would have."""
+    _register_handle(handle, session_id)
+
+
+def _register_handle(handle: RecomputeHandle, session_id: Hashable
+                     ) -> tuple[Frame, Session] | None:
     if not isinstance(handle, RecomputeHandle):
         raise ValueError(
             "handle must be a RecomputeHandle from ckptfx.recompute_handle_collector_ctx(), "
@@ -378,7 +394,7 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
         )
     frame = handle.frame
     if frame is None:
-        return
+        return None
     with _lock:
         existing = _registry.get(session_id)
         session = existing if existing is not None else _session(session_id)
@@ -396,8 +412,7 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
             if existing is None:  # a rejected prefire leaves no session behind
                 _registry.pop(session_id, None)
             raise
-    if frame.replays.get(session) is None:
-        frame.replay(session, scheduled=True)
+    return frame, session
 
 
 def clear_recompute_session(session_id: Hashable) -> None:

@@ -7,8 +7,11 @@ Rules
    autograd graph: the outputs it returns are detached (like ``jax.vjp``'s primal output), so
    the graph lives exactly as long as the split has work to do.
 
-2. dx prefires the session (unless a scheduler already did, ``dx_fn.prefire()``), then runs one
-   ``autograd.grad`` for the inputs under ``recompute_session_ctx(key, retain_on_unpack=True)``.
+2. dx registers every block of the forward to the session (unless a scheduler prefired them,
+   ``dx_fn.prefire()``), then runs one ``autograd.grad`` for the inputs under
+   ``recompute_session_ctx(key, retain_on_unpack=True)``; each block is replayed at its first
+   unpack there, once, as a fused backward replays it (next to its use, not all blocks ahead
+   of the backward: the replayed tensors are still in cache when read).
    Pre-hooks on the *intermediate* nodes (the nodes of the input path from which a weight path
    leaves) capture the gradients flowing into them. The engine computes only the edges it
    needs, so dx does only the input half of each node that has both.
@@ -59,6 +62,7 @@ from .session import (
     recompute_handle,
     recompute_handle_collector_ctx,
     recompute_session_ctx,
+    register_handle,
 )
 
 __all__ = ["SplitInputFn", "SplitWeightFn", "grad_split", "vjp_split", "weight_pass_nodes"]
@@ -480,13 +484,14 @@ class _Split:
                 )
             self._prefire()
 
-    def _prefire(self) -> None:
+    def _prefire(self, replay: bool = True) -> None:
+        """Register every block to the session and, with ``replay``, replay it now."""
         if self.prefired:
             self._check_not_cleared()
             return
         try:
             for h in self.handles:
-                recompute_handle(h, self.key)
+                (recompute_handle if replay else register_handle)(h, self.key)
         except BaseException:
             # Leave nothing half-replayed: a retry starts from a clean session.
             clear_recompute_session(self.key)
@@ -530,7 +535,7 @@ class _Split:
             cots = self._check_cotangent(cotangent)
             self.state = "dx"
         try:
-            self._prefire()
+            self._prefire(replay=False)  # Rule 2: each block replays at its first unpack
             used = [i for i, c in enumerate(cots) if c is not None]
             self.cotangents = [cots[i] for i in used]
             outputs = [self.outputs[i] for i in used]
@@ -608,7 +613,7 @@ class _Split:
             self._check_not_cleared()
             n = len(self.weights)
             wgrads: list[torch.Tensor | None] = [None] * n
-            work = []
+            work: list[tuple[_Group, list[GradientEdge], list[torch.Tensor | None]]] = []
             for g in self.groups:
                 edges: list[GradientEdge] = []
                 seeds: list[torch.Tensor | None] = []
@@ -622,8 +627,9 @@ class _Split:
                     seeds.append(self.cotangents[i])
                 if edges:
                     work.append((g, edges, seeds))
-            for k, (g, edges, seeds) in enumerate(work):
-                last = k == len(work) - 1
+
+            def run_group(g: _Group, edges: list[GradientEdge],
+                          seeds: list[torch.Tensor | None], last: bool) -> None:
                 hooks = []
                 try:
                     if len(g.intermediates) > 1:
@@ -633,16 +639,27 @@ class _Split:
                             saved = self.captured.get(node)
                             if saved is not None:
                                 hooks.append(node.register_prehook(lambda _, s=saved: s))
-                    with recompute_session_ctx(self.key, retain_on_unpack=not last):
-                        res = torch.autograd.grad(
-                            edges, [self.w_edges[i] for i in g.weights], seeds,
-                            retain_graph=not last, allow_unused=True,
-                        )
+                    res = torch.autograd.grad(
+                        edges, [self.w_edges[i] for i in g.weights], seeds,
+                        retain_graph=not last, allow_unused=True,
+                    )
                 finally:
                     for h in hooks:
                         h.remove()
                 for i, r in zip(g.weights, res):
                     wgrads[i] = r
+
+            # One retaining session context for every group but the last, one dropping
+            # context for the last (a context per group bound and unbound every frame each
+            # time: with one dw call per parameter that was most of a small block's dw).
+            if len(work) > 1:
+                with recompute_session_ctx(self.key, retain_on_unpack=True):
+                    for g, edges, seeds in work[:-1]:
+                        run_group(g, edges, seeds, False)
+            if work:
+                with recompute_session_ctx(self.key, retain_on_unpack=False):
+                    g, edges, seeds = work[-1]
+                    run_group(g, edges, seeds, True)
             # Accumulate into .grad as backward() would; never alias a caller's tensor.
             aliases = {c.untyped_storage().data_ptr() for c in self.cotangents if c is not None}
             for saved in self.captured.values():

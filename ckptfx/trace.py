@@ -270,8 +270,7 @@ class Segment:
                         _set_rng(rng)
                 out = op.func(*args, **kwargs)
                 if op.outs:
-                    out_leaves = (out,) if type(out) is torch.Tensor else optree.tree_leaves(
-                        out, none_is_leaf=True)
+                    out_leaves = _out_leaves(out)
                     for j, slot in op.outs:
                         vals[slot] = out_leaves[j]
                 drop = release[k]
@@ -358,16 +357,40 @@ class Segment:
 
 def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
     """Leaves of an op's arguments and how to rebuild them. Most ops take flat arguments:
-    those skip the pytree library (the spec is then ``(len(args), kwarg names)``)."""
+    those skip the pytree library (the spec is then ``(len(args), kwarg names)``). A list of
+    Python numbers (``view``'s sizes) is one leaf: only lists holding tensors (``cat``) or
+    other lists are flattened, so that each tensor is a leaf of its own."""
     for a in args:
-        if type(a) is list or type(a) is tuple:
+        if (type(a) is list or type(a) is tuple) and _nested(a):
             return optree.tree_flatten((args, kwargs), none_is_leaf=True)
     if kwargs:
         for a in kwargs.values():
-            if type(a) is list or type(a) is tuple:
+            if (type(a) is list or type(a) is tuple) and _nested(a):
                 return optree.tree_flatten((args, kwargs), none_is_leaf=True)
         return [*args, *kwargs.values()], (len(args), tuple(kwargs))
     return list(args), (len(args), ())
+
+
+def _nested(seq: list | tuple) -> bool:
+    """True if ``seq`` holds anything but Python scalars and None (tensors, lists, ...)."""
+    for e in seq:
+        t = type(e)
+        if t is not int and t is not float and t is not bool and e is not None:
+            return True
+    return False
+
+
+def _out_leaves(out: Any) -> Any:
+    """An op's outputs as a flat sequence: optree's leaves (None a leaf), without optree for
+    a tensor or a flat tuple or list of them (every op but a few)."""
+    if type(out) is torch.Tensor:
+        return (out,)
+    if type(out) is tuple or type(out) is list:
+        for e in out:
+            if type(e) is not torch.Tensor and e is not None:
+                return optree.tree_leaves(out, none_is_leaf=True)
+        return out
+    return optree.tree_leaves(out, none_is_leaf=True)
 
 
 def _unflatten(spec: Any, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -627,8 +650,7 @@ class Tracer(_compat.TorchDispatchMode):
 
         decision = None
         decisions, roots = self.decision, self.root
-        out_leaves = (out,) if type(out) is torch.Tensor else optree.tree_leaves(
-            out, none_is_leaf=True)
+        out_leaves = _out_leaves(out)
         for j, o in enumerate(out_leaves):
             if not isinstance(o, torch.Tensor):
                 continue
