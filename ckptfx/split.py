@@ -51,6 +51,7 @@ import optree
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from . import _distributed
 from .frame import CheckpointError, tls
 from .session import (
     RecomputeHandle,
@@ -340,6 +341,7 @@ class _Split:
         self.state = "forward"
         self.prefired = False
         self.session_obj: Any = None
+        self.dp: _distributed.DataParallel | None = None
 
         # Flatten the primals; make every floating tensor differentiable (as jax.vjp and
         # torch.func.vjp do), aliasing those that do not require grad.
@@ -399,8 +401,14 @@ class _Split:
             _inflight[session] = self
 
         try:
-            with recompute_handle_collector_ctx() as handles, torch.enable_grad():
+            with _distributed.observing() as seen, recompute_handle_collector_ctx() as handles, \
+                    torch.enable_grad():
                 res = fun(*call_args, **kwargs)
+            # FSDP2 / DDP modules the forward ran (None in one process): see _distributed.
+            self.dp = seen if seen else None
+            if self.dp is not None:
+                self.dp.check_split(who)
+                self._adopt_data_parallel_params(w_index)
         except BaseException:
             self._forget()
             raise
@@ -429,6 +437,21 @@ class _Split:
         self.cotangents: list[torch.Tensor | None] = []
         self.w_edges: list[GradientEdge] = []
 
+    def _adopt_data_parallel_params(self, w_index: dict[int, int]) -> None:
+        """dw's parameters under FSDP2 / DDP: the graph's (unsharded) tensors for the
+        ``params=`` given, plus the wrappers' own (``ckptfx._distributed`` Rules 2, 3)."""
+        dp = self.dp
+        for i in self.param_slots:
+            self.weights[i] = p = dp.graph_param(self.weights[i])
+            w_index.setdefault(id(p), i)
+        for p in dp.implicit_params():
+            i = w_index.get(id(p))
+            if i is None:
+                i = w_index[id(p)] = len(self.weights)
+                self.weights.append(p)
+            if i not in self.param_slots:
+                self.param_slots.append(i)
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def _forget(self) -> None:
@@ -441,7 +464,11 @@ class _Split:
         self.state = "done"
         try:
             clear_recompute_session(self.key)
+            dp = getattr(self, "dp", None)
+            if dp is not None:
+                dp.abandon()  # after a reduce() this does nothing
         finally:
+            self.dp = None
             self.captured = {}
             self.groups = []
             self.out_edges = []
@@ -480,6 +507,8 @@ class _Split:
             self._check_not_cleared()
             return
         try:
+            if self.dp is not None:
+                self.dp.before_replay()  # replays read unsharded FSDP parameters
             for h in self.handles:
                 recompute_handle(h, self.key)
         except BaseException:
@@ -526,6 +555,8 @@ class _Split:
             self.state = "dx"
         try:
             self._prefire()
+            if self.dp is not None:
+                self.dp.hold()
             used = [i for i, c in enumerate(cots) if c is not None]
             self.cotangents = [cots[i] for i in used]
             outputs = [self.outputs[i] for i in used]
@@ -614,6 +645,7 @@ class _Split:
                     seeds.append(self.cotangents[i])
                 if edges:
                     work.append((g, edges, seeds))
+            ddp = self.dp is not None and bool(self.dp.ddp)
             for k, (g, edges, seeds) in enumerate(work):
                 last = k == len(work) - 1
                 hooks = []
@@ -626,10 +658,13 @@ class _Split:
                             if saved is not None:
                                 hooks.append(node.register_prehook(lambda _, s=saved: s))
                     with recompute_session_ctx(self.key, retain_on_unpack=not last):
-                        res = torch.autograd.grad(
-                            edges, [self.w_edges[i] for i in g.weights], seeds,
-                            retain_graph=not last, allow_unused=True,
-                        )
+                        if ddp:
+                            res = self._accumulate_through_ddp(g, edges, seeds, last)
+                        else:
+                            res = torch.autograd.grad(
+                                edges, [self.w_edges[i] for i in g.weights], seeds,
+                                retain_graph=not last, allow_unused=True,
+                            )
                 finally:
                     for h in hooks:
                         h.remove()
@@ -641,7 +676,7 @@ class _Split:
                 aliases.update(t.untyped_storage().data_ptr() for t in saved if t is not None)
             for i in self.param_slots:
                 g = wgrads[i]
-                if g is None:
+                if g is None or ddp:  # under DDP the reducer wrote .grad
                     continue
                 p = self.weights[i]
                 if p.grad is None:
@@ -649,6 +684,8 @@ class _Split:
                     aliases.add(p.grad.untyped_storage().data_ptr())
                 else:
                     p.grad += g
+            if self.dp is not None:
+                self.dp.reduce()  # FSDP2's reduce-scatter and reshard
             results = []
             for treedef, slots in self.w_specs:
                 leaves = []
@@ -662,6 +699,26 @@ class _Split:
             return _pack(results, len(results) == 1)
         finally:
             self.release()
+
+    def _accumulate_through_ddp(self, g: _Group, edges: list[GradientEdge],
+                                seeds: list[torch.Tensor], last: bool) -> list[Any]:
+        """One weight pass whose parameters accumulate through their AccumulateGrad nodes,
+        where DDP's reducer hooks are (``ckptfx._distributed`` Rule 3). Weights that are
+        primals, not parameters, are read back from ``.grad`` and their ``.grad`` restored."""
+        params = set(self.param_slots)
+        stash = {i: self.weights[i].grad for i in g.weights if i not in params}
+        for i in stash:
+            self.weights[i].grad = None
+        try:
+            torch.autograd.backward(
+                edges, seeds, retain_graph=not last,
+                inputs=[self.w_edges[i] for i in g.weights],
+            )
+            res = [None if i in params else self.weights[i].grad for i in g.weights]
+        finally:
+            for i, old in stash.items():
+                self.weights[i].grad = old
+        return res
 
     def _order_error(self, fn: str) -> str:
         """What a call of ``fn`` in the wrong state says (Rule 6)."""
