@@ -6,6 +6,7 @@ whose docstring opens with the rules it keeps.
 """
 
 from . import _compat
+from ._collectives import register_collective
 from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
 from .frame import CheckpointError
 from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
@@ -46,6 +47,7 @@ __all__ = [
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",
     "recompute_session_stats",
+    "register_collective",
     "unwrap_checkpoint",
     "grad_split",
     "vjp_split",

@@ -11,6 +11,7 @@ from torch import nn
 
 from . import _compat
 from ._debug import DebugLogs
+from . import _collectives
 from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from .session import collect, uncollect
 
@@ -167,7 +168,7 @@ def run_checkpointed(
     suppressed = True
     _compat.push_saved_tensors_hooks(frame.pack, unpack_hook)
     try:
-        with forward_ctx:
+        with forward_ctx, _collectives.forward_context(frame):
             out = function(*args, **kwargs)
             suppressed = False
     except BaseException:
