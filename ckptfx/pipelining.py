@@ -57,6 +57,7 @@ import torch
 import torch.distributed.pipelining as _tpp
 
 from . import _compat
+from ._distributed import unshard_fsdp_modules
 from .frame import tls
 from .session import (
     RecomputeHandle,
@@ -142,6 +143,9 @@ class PipelineStage(_tpp.PipelineStage):
         self._ckptfx_live.add(sid)
         log: list = []
         try:
+            # Replays read full parameters: unshard FSDP2 modules first, as FSDP's own
+            # pre-backward would (ckptfx._distributed).
+            unshard_fsdp_modules(self.submod)
             for h in handles:
                 recompute_handle(h, sid)
             with recompute_session_ctx(sid, retain_on_unpack=True):
