@@ -49,7 +49,8 @@ __all__ = ["Recorder", "Replayer", "Watch", "is_collective", "register_collectiv
 _NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 _registered: set[Any] = set()
 _KIND: dict[Any, bool] = {}
-_RF_ENTER = getattr(getattr(torch.ops.profiler, "_record_function_enter_new", None), "default", None)
+_RF_ENTER = getattr(getattr(torch.ops.profiler, "_record_function_enter_new", None), "default",
+                    None)
 _RF_EXIT = getattr(getattr(torch.ops.profiler, "_record_function_exit", None), "_RecordFunction",
                    None)
 # frame -> its Log (frames have __slots__; a weak map keeps the kernel untouched)
@@ -121,9 +122,11 @@ class Watch:
 
     def ran(self, func: Any, args: tuple, out: Any) -> None:
         """After an ``outside`` op ran: open or close an FSDP scope."""
+        # Scopes nest: inside an FSDP scope every enter opens one and every exit closes one
+        # (the exit's handle is a new Python wrapper, so it is not matched by identity).
         if func is _RF_ENTER:
             self.scopes.append(out)
-        elif func is _RF_EXIT and args and self.scopes and args[0] is self.scopes[-1]:
+        elif func is _RF_EXIT and self.scopes:
             self.scopes.pop()
 
 

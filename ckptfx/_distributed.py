@@ -34,6 +34,11 @@ Rules
 4. A split that fails or is abandoned gives the FSDP groups back as it found them: flags
    restored, training state reset by FSDP's final callback with reduction off, parameters
    resharded. No gradient is reduced for it.
+
+5. ``recompute_handle`` (a scheduler's own prefire) of a block whose function is a module's
+   forward (``checkpoint_wrapper``) unshards the FSDP2 trees in that module first. A frame of
+   a plain function does not know its modules: prefire it through ``vjp_split`` or
+   ``ckptfx.pipelining``, or call ``unshard()`` on the FSDP modules before the prefire.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import torch
 from . import _compat
 from .frame import CheckpointError
 
-__all__ = ["DataParallel", "observing", "unshard_fsdp_modules"]
+__all__ = ["DataParallel", "before_prefire", "observing", "unshard_fsdp_modules"]
 
 
 def _distributed_active() -> bool:
@@ -205,3 +210,12 @@ def unshard_fsdp_modules(module: Any) -> None:
         if isinstance(m, fsdp_cls):
             seen.note(m)
     seen.before_replay()
+
+
+def before_prefire(frame: Any) -> None:
+    """Rule 5: unshard the FSDP2 trees of a module-method frame before its prefire."""
+    if not _distributed_active():
+        return
+    module = getattr(frame.fn, "__self__", None)
+    if isinstance(module, torch.nn.Module):
+        unshard_fsdp_modules(module)

@@ -34,6 +34,7 @@ import threading
 import weakref
 from typing import Any, Hashable, Iterator
 
+from ._distributed import before_prefire
 from .frame import CheckpointError, Frame, tls
 
 __all__ = [
@@ -365,6 +366,7 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
                 _registry.pop(session_id, None)
             raise
     if frame.replays.get(session) is None:
+        before_prefire(frame)  # FSDP2: the replay reads unsharded parameters
         frame.replay(session, scheduled=True)
 
 
