@@ -161,12 +161,17 @@ def test_fsdp2_split_is_bitwise_and_reshards(two_ranks: dict, wrap: str, how: st
     runs = 4 if wrap == "checkpoint_wrapper" else 2  # 2 blocks: forward + one replay each
     for r in two_ranks.values():
         # (output, dx, sharded grads) bitwise vs FSDP2's plain backward; resharded after dw
-        assert r["fsdp"][(wrap, how)] == [(True, True, True, True, runs)] * 3
+        assert r["fsdp"][(wrap, how)] == [(True, True, True, True, runs)] * 2
 
 
 def test_fsdp2_scheduler_prefire_of_wrapped_blocks(two_ranks: dict) -> None:
     for r in two_ranks.values():
         assert r["fsdp"]["sessions"]
+
+
+def test_fsdp2_abandoned_split_reduces_nothing_and_reshards(two_ranks: dict) -> None:
+    for r in two_ranks.values():
+        assert r["fsdp"]["abandoned"] == (True, True, True)
 
 
 def test_remat_around_an_fsdp2_call_keeps_fsdp_collectives_outside(two_ranks: dict) -> None:
