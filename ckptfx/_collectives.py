@@ -250,12 +250,12 @@ class Recorder(_compat.TorchDispatchMode):
 class Replayer(_compat.TorchDispatchMode):
     """A re-run's mode: answer each collective from the log (Rule 3)."""
 
-    def __init__(self, log: Log, what: str) -> None:
+    def __init__(self, log: Log, frame: Any) -> None:
         super().__init__()
         self.log = log
         self.next = 0
         self.watch = Watch()
-        self.what = what
+        self.frame = frame
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -271,7 +271,7 @@ class Replayer(_compat.TorchDispatchMode):
         if k >= len(entries) or entries[k].func is not func:
             ran = entries[k].func if k < len(entries) else "nothing more"
             raise CheckpointError(
-                f"ckptfx: the replay of {self.what} called the collective {func} where the "
+                f"ckptfx: the replay of {self.frame!r} called the collective {func} where the "
                 f"forward called {ran} (collective #{k}); a block must call the same "
                 "collectives on every run. Make the block's collectives unconditional, or "
                 "move them out of the checkpointed block"
@@ -280,7 +280,7 @@ class Replayer(_compat.TorchDispatchMode):
         self.next = k + 1
         if entry.versions is not None and [t._version for t in _tensors(entry)] != entry.versions:
             raise CheckpointError(
-                f"ckptfx: the output of the collective {func} in {self.what} was modified "
+                f"ckptfx: the output of the collective {func} in {self.frame!r} was modified "
                 "in place after the forward; the replay cannot hand it out. Clone the "
                 "collective's output before modifying it"
             )
@@ -307,9 +307,12 @@ def forward_context(frame: Any) -> Iterator[None]:
             rec.finish()
 
 
-def replay_context(frame: Any, what: str) -> Any:
+def replay_context(frame: Any) -> Any:
     """A re-run of ``frame``'s function: the forward's collectives answered from its log."""
-    log = _logs.get(frame)
+    log = _logs.get(frame) if _logs else None
     if log is None or not log.entries:
-        return contextlib.nullcontext()
-    return Replayer(log, what)
+        return _NULL
+    return Replayer(log, frame)
+
+
+_NULL = contextlib.nullcontext()

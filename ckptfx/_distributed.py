@@ -105,6 +105,43 @@ class DataParallel:
             out.extend(u for _, u in _compat.fsdp_group_params(g) if u.requires_grad)
         return out
 
+    def adopt_params(self, weights: list[torch.Tensor], param_slots: list[int],
+                     index: dict[int, int]) -> None:
+        """dw's parameters under FSDP2 / DDP: the graph's (unsharded) tensors for those given
+        as ``params=``, plus the wrappers' own (Rules 2, 3). ``weights`` is the split's
+        weight list, ``param_slots`` the positions dw accumulates into ``.grad``, ``index``
+        id(tensor) -> position; all three are updated in place."""
+        for i in param_slots:
+            weights[i] = p = self.graph_param(weights[i])
+            index.setdefault(id(p), i)
+        for p in self.implicit_params():
+            i = index.get(id(p))
+            if i is None:
+                i = index[id(p)] = len(weights)
+                weights.append(p)
+            if i not in param_slots:
+                param_slots.append(i)
+
+    @staticmethod
+    def accumulate_through_ddp(weights: list[torch.Tensor], param_slots: list[int],
+                               w_edges: list[Any], group: list[int], edges: list[Any],
+                               seeds: list[torch.Tensor], last: bool) -> list[Any]:
+        """One weight pass of the weights at positions ``group`` whose parameters accumulate
+        through their AccumulateGrad nodes, where DDP's reducer hooks are (Rule 3). Weights
+        that are primals, not parameters, are read back from ``.grad`` (theirs restored);
+        a parameter's result is None (the reducer wrote its ``.grad``)."""
+        params = set(param_slots)
+        stash = {i: weights[i].grad for i in group if i not in params}
+        for i in stash:
+            weights[i].grad = None
+        try:
+            torch.autograd.backward(edges, seeds, retain_graph=not last,
+                                    inputs=[w_edges[i] for i in group])
+            return [None if i in params else weights[i].grad for i in group]
+        finally:
+            for i, old in stash.items():
+                weights[i].grad = old
+
     def graph_param(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor the autograd graph holds for ``p``: FSDP's unsharded parameter for a
         sharded one, ``p`` itself otherwise."""

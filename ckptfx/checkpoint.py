@@ -83,6 +83,13 @@ def checkpoint(
       other numbers. ``ckptfx.remat`` records such generators and replays them exactly.
     - Under ``torch.no_grad``/``inference_mode`` the function just runs and nothing is saved.
     - Under ``torch.compile`` the call is handed to torch's own checkpoint.
+    - Collectives are not replayed (unlike torch): where ``torch.distributed`` is initialized
+      (or an op was passed to ``ckptfx.register_collective``) the forward logs the outputs
+      of each c10d / functional collective in the block, and the replay, which re-runs the
+      Python function, is answered from that log instead of calling them again, so ranks
+      cannot desynchronise by replaying different collectives. A replay that calls another
+      collective than the forward raises ``CheckpointError``. FSDP2's own all-gathers are
+      not the block's and run as usual. See ``ckptfx._collectives``.
 
     Args:
         function: the block; called as ``function(*args, **kwargs)``. Outputs may be any

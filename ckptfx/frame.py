@@ -498,7 +498,7 @@ def rerun_function(frame: Frame, tensors: Replay) -> None:
 
     _compat.push_saved_tensors_hooks(rec.pack, _identity)
     try:
-        with torch.enable_grad(), frame.env.restored(), ctx, replay_context(frame, repr(frame)):
+        with torch.enable_grad(), frame.env.restored(), ctx, replay_context(frame):
             try:
                 rec.start()
                 frame.fn(*args, **frame.kwargs)

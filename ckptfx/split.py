@@ -408,7 +408,7 @@ class _Split:
             self.dp = seen if seen else None
             if self.dp is not None:
                 self.dp.check_split(who)
-                self._adopt_data_parallel_params(w_index)
+                self.dp.adopt_params(self.weights, self.param_slots, w_index)
         except BaseException:
             self._forget()
             raise
@@ -436,21 +436,6 @@ class _Split:
         self.out_edges: list[GradientEdge] = []
         self.cotangents: list[torch.Tensor | None] = []
         self.w_edges: list[GradientEdge] = []
-
-    def _adopt_data_parallel_params(self, w_index: dict[int, int]) -> None:
-        """dw's parameters under FSDP2 / DDP: the graph's (unsharded) tensors for the
-        ``params=`` given, plus the wrappers' own (``ckptfx._distributed`` Rules 2, 3)."""
-        dp = self.dp
-        for i in self.param_slots:
-            self.weights[i] = p = dp.graph_param(self.weights[i])
-            w_index.setdefault(id(p), i)
-        for p in dp.implicit_params():
-            i = w_index.get(id(p))
-            if i is None:
-                i = w_index[id(p)] = len(self.weights)
-                self.weights.append(p)
-            if i not in self.param_slots:
-                self.param_slots.append(i)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -659,7 +644,9 @@ class _Split:
                                 hooks.append(node.register_prehook(lambda _, s=saved: s))
                     with recompute_session_ctx(self.key, retain_on_unpack=not last):
                         if ddp:
-                            res = self._accumulate_through_ddp(g, edges, seeds, last)
+                            res = self.dp.accumulate_through_ddp(
+                                self.weights, self.param_slots, self.w_edges, g.weights,
+                                edges, seeds, last)
                         else:
                             res = torch.autograd.grad(
                                 edges, [self.w_edges[i] for i in g.weights], seeds,
@@ -699,26 +686,6 @@ class _Split:
             return _pack(results, len(results) == 1)
         finally:
             self.release()
-
-    def _accumulate_through_ddp(self, g: _Group, edges: list[GradientEdge],
-                                seeds: list[torch.Tensor], last: bool) -> list[Any]:
-        """One weight pass whose parameters accumulate through their AccumulateGrad nodes,
-        where DDP's reducer hooks are (``ckptfx._distributed`` Rule 3). Weights that are
-        primals, not parameters, are read back from ``.grad`` and their ``.grad`` restored."""
-        params = set(self.param_slots)
-        stash = {i: self.weights[i].grad for i in g.weights if i not in params}
-        for i in stash:
-            self.weights[i].grad = None
-        try:
-            torch.autograd.backward(
-                edges, seeds, retain_graph=not last,
-                inputs=[self.w_edges[i] for i in g.weights],
-            )
-            res = [None if i in params else self.weights[i].grad for i in g.weights]
-        finally:
-            for i, old in stash.items():
-                self.weights[i].grad = old
-        return res
 
     def _order_error(self, fn: str) -> str:
         """What a call of ``fn`` in the wrong state says (Rule 6)."""
@@ -806,6 +773,15 @@ def vjp_split(
     - ``dx_fn.prefire()``: replay the checkpointed blocks now, for a scheduler that wants the
       replay earlier than dx (dx_fn does it otherwise).
 
+    Data parallel (``ckptfx._distributed``): if ``fun`` runs FSDP2 (``fully_shard``) modules,
+    replays see unsharded parameters, and ``dw_fn`` fills the sharded ``.grad`` of their
+    parameters through FSDP's own reduce-scatter and reshards, bitwise as ``backward()``;
+    ``params=`` may be the sharded parameters (``model.parameters()``). If it runs DDP
+    modules, ``dw_fn``'s parameter gradients go through DDP's reducer (all-reduced and
+    averaged as in DDP's backward); a ``DDP(static_graph=True)`` in its first iteration is
+    refused with ``CheckpointError`` before any gradient is written. In both cases the
+    wrapper's parameters are dw's whether or not they are passed as ``params=``.
+
     Any other order (``dw_fn`` before ``dx_fn``, either one twice, ``prefire`` after
     ``dx_fn``, a call after the session was cleared) raises ``ckptfx.CheckpointError``, a
     ``RuntimeError``, saying what to call instead.
@@ -847,7 +823,8 @@ def grad_split(
       passed to ``fun`` and not differentiated.
     - ``dw_fn(session)`` returns the gradients of the arguments not in ``x_argnums`` (one
       pytree when one argument remains, else a tuple in positional order) and releases the
-      session.
+      session. FSDP2 and DDP modules run by ``fun`` get their reduced ``.grad`` as with
+      ``vjp_split``.
 
     Several sessions may be in flight at once (``dx(s1) dx(s2) dw(s1) dx(s3) ...``), on any
     threads. A session runs ``dx_fn`` then ``dw_fn`` once; afterwards its key may be reused.

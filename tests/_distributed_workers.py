@@ -169,6 +169,10 @@ def _ddp(rank: int) -> dict:
     return out
 
 
+FSDP_CASES = [("checkpoint_wrapper", "vjp_split"), ("checkpoint_wrapper", "vjp_split_prefire"),
+              ("checkpoint_wrapper", "grad_split"), ("remat", "vjp_split"), ("remat", "grad_split")]
+
+
 def _fsdp(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -184,36 +188,35 @@ def _fsdp(rank: int) -> dict:
         return all(g.is_sharded for s in _compat.fsdp_all_states(_compat.fsdp_state_of(m))
                    for g in _compat.fsdp_param_groups(s))
 
-    for wrap in ("checkpoint_wrapper", "remat"):
-        for how in ("vjp_split", "vjp_split_prefire", "grad_split"):
-            ours, ref = shard(model(wrap)), shard(model("plain"))
-            checks = []
-            for step in range(2):
-                torch.manual_seed(rank + 10 * step)
-                x = torch.randn(3, D, requires_grad=True)
-                y_ref = ref(x)
-                dx_ref, = torch.autograd.grad(y_ref.sum(), x, retain_graph=True)
-                y_ref.sum().backward()
-                Block.runs = 0
-                if how == "grad_split":
-                    dx_fn, dw_fn = ckptfx.grad_split(lambda x: ours(x).sum())
-                    value, dx = dx_fn(x, session=("fsdp", step))
-                    dw_fn(("fsdp", step))
-                    y_same = torch.equal(value, y_ref.sum().detach())
-                else:
-                    y, dx_fn, dw_fn = ckptfx.vjp_split(ours, x, params=ours.parameters())
-                    if how == "vjp_split_prefire":
-                        dx_fn.prefire()
-                    dx = dx_fn(torch.ones_like(y))
-                    dw_fn()
-                    y_same = torch.equal(y, y_ref.detach())
-                checks.append((
-                    y_same, torch.equal(dx, dx_ref),
-                    _eq([p.grad.to_local() for p in ours.parameters()],
-                        [p.grad.to_local() for p in ref.parameters()]),
-                    sharded_now(ours), Block.runs,
-                ))
-            out[(wrap, how)] = checks
+    for wrap, how in FSDP_CASES:
+        ours, ref = shard(model(wrap)), shard(model("plain"))
+        checks = []
+        for step in range(2):
+            torch.manual_seed(rank + 10 * step)
+            x = torch.randn(3, D, requires_grad=True)
+            y_ref = ref(x)
+            dx_ref, = torch.autograd.grad(y_ref.sum(), x, retain_graph=True)
+            y_ref.sum().backward()
+            Block.runs = 0
+            if how == "grad_split":
+                dx_fn, dw_fn = ckptfx.grad_split(lambda x: ours(x).sum())
+                value, dx = dx_fn(x, session=("fsdp", step))
+                dw_fn(("fsdp", step))
+                y_same = torch.equal(value, y_ref.sum().detach())
+            else:
+                y, dx_fn, dw_fn = ckptfx.vjp_split(ours, x, params=ours.parameters())
+                if how == "vjp_split_prefire":
+                    dx_fn.prefire()
+                dx = dx_fn(torch.ones_like(y))
+                dw_fn()
+                y_same = torch.equal(y, y_ref.detach())
+            checks.append((
+                y_same, torch.equal(dx, dx_ref),
+                _eq([p.grad.to_local() for p in ours.parameters()],
+                    [p.grad.to_local() for p in ref.parameters()]),
+                sharded_now(ours), Block.runs,
+            ))
+        out[(wrap, how)] = checks
     # a scheduler's own prefire of checkpoint_wrapper blocks (sessions API)
     ours, ref = shard(model("checkpoint_wrapper")), shard(model("plain"))
     torch.manual_seed(rank)

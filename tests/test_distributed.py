@@ -155,8 +155,7 @@ def test_ddp_static_graph_first_step_is_refused_before_any_gradient(two_ranks: d
         assert d[1:] == [("split", True, True)] * 2
 
 
-@pytest.mark.parametrize("wrap", ["checkpoint_wrapper", "remat"])
-@pytest.mark.parametrize("how", ["vjp_split", "vjp_split_prefire", "grad_split"])
+@pytest.mark.parametrize(("wrap", "how"), workers.FSDP_CASES)
 def test_fsdp2_split_is_bitwise_and_reshards(two_ranks: dict, wrap: str, how: str) -> None:
     runs = 4 if wrap == "checkpoint_wrapper" else 2  # 2 blocks: forward + one replay each
     for r in two_ranks.values():
