@@ -40,7 +40,9 @@ def _worker(rank: int, world: int, path: str, fn: Callable[[int, int], Any], que
 
 def spawn_ranks(fn: Callable[[int, int], Any], world: int, timeout: float = 240) -> dict:
     """Run ``fn(rank, world)`` on ``world`` gloo ranks; return {rank: result}."""
-    ctx = mp.get_context("spawn")
+    # forkserver: torch is imported once (in the server), not once per rank
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["_distributed_workers"])
     queue = ctx.Queue()
     path = tempfile.mktemp(prefix="ckptfx_pg_")
     procs = [ctx.Process(target=_worker, args=(r, world, path, fn, queue)) for r in range(world)]
