@@ -38,7 +38,8 @@ from torch.distributed.pipelining import ScheduleInterleavedZeroBubble, Schedule
 import ckptfx
 from ckptfx.pipelining import PipelineStage
 
-D, MICROBATCHES, PP, DP, STAGES, BLOCKS = 16, 4, 2, 2, 4, 2
+D = int(os.environ.get("CKPTFX_PP_DIM", "64"))  # the tests run it at 16
+MICROBATCHES, PP, DP, STAGES, BLOCKS = 4, 2, 2, 4, 2
 # torch 2.13's own PipelineStage under ScheduleZBVZeroBubble leaves the last stage's gradients
 # None when its FSDP2 modules reshard after forward (gloo, CPU): the reference run needs
 # reshard_after_forward=False. RESHARD=1 runs ckptfx's stage with resharding anyway.
@@ -102,30 +103,38 @@ def build(schedule: type, variant: str, mesh: object) -> tuple[object, list, lis
     return sched, stages, blocks
 
 
-def run(schedule: type, variant: str, mesh: object, steps: int) -> dict:
-    sched, stages, blocks = build(schedule, variant, mesh)
+def run(schedule: type, variants: list[str], mesh: object, steps: int) -> dict:
+    """``steps`` steps of each variant's pipeline, the variants alternating step by step (so
+    a change in the machine's load shifts them alike); per variant its losses, final
+    gradients, step times and block runs."""
+    built = {v: build(schedule, v, mesh) for v in variants}
     dp_rank = mesh["dp"].get_local_rank()
     g = torch.Generator().manual_seed(100 + dp_rank)  # each data-parallel rank its own batch
     x = torch.randn(2 * MICROBATCHES, D, generator=g)
     t = torch.randn(2 * MICROBATCHES, D, generator=g)
-    losses, times, runs = [], [], []
+    out = {v: {"losses": [], "times": [], "runs": []} for v in variants}
     for _ in range(steps):
-        for s in stages:
-            s.submod.zero_grad(set_to_none=True)
-        for b in blocks:
-            b.runs = 0
-        step_losses: list = []
-        start = time.perf_counter()
-        has_first = any(s.is_first for s in stages)
-        has_last = any(s.is_last for s in stages)
-        sched.step(*((x,) if has_first else ()), target=t if has_last else None,
-                   losses=step_losses if has_last else None)
-        times.append(time.perf_counter() - start)
-        losses.append([loss.detach().clone() for loss in step_losses])
-        runs.append([b.runs for b in blocks])
-    grads = [None if p.grad is None else p.grad.to_local().clone()
-             for s in stages for p in s.submod.parameters()]
-    return {"losses": losses, "grads": grads, "times": times, "runs": runs}
+        for v in variants:
+            sched, stages, blocks = built[v]
+            for s in stages:
+                s.submod.zero_grad(set_to_none=True)
+            for b in blocks:
+                b.runs = 0
+            step_losses: list = []
+            has_first = any(s.is_first for s in stages)
+            has_last = any(s.is_last for s in stages)
+            dist.barrier()
+            start = time.perf_counter()
+            sched.step(*((x,) if has_first else ()), target=t if has_last else None,
+                       losses=step_losses if has_last else None)
+            out[v]["times"].append(time.perf_counter() - start)
+            out[v]["losses"].append([loss.detach().clone() for loss in step_losses])
+            out[v]["runs"].append([b.runs for b in blocks])
+    for v in variants:
+        stages = built[v][1]
+        out[v]["grads"] = [None if p.grad is None else p.grad.to_local().clone()
+                           for s in stages for p in s.submod.parameters()]
+    return out
 
 
 def bitwise(a: list, b: list) -> bool:
@@ -133,7 +142,7 @@ def bitwise(a: list, b: list) -> bool:
         x is not None and y is not None and torch.equal(x, y) for x, y in zip(a, b))
 
 
-def main(steps: int = 4, with_torch_checkpoint: bool = True) -> dict:
+def main(steps: int = 6, with_torch_checkpoint: bool = True) -> dict:
     """Run every schedule; per schedule (bitwise, runs per block per micro-batch after the
     first step, the first step's, torch checkpoint's, step-time ratio)."""
     torch.set_num_threads(1)
@@ -141,9 +150,9 @@ def main(steps: int = 4, with_torch_checkpoint: bool = True) -> dict:
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     report = {}
     for schedule in SCHEDULES:
-        ref = run(schedule, "plain", mesh, steps)
-        torch_ckpt = run(schedule, "torch", mesh, steps) if with_torch_checkpoint else None
-        ours = run(schedule, "ckptfx", mesh, steps)
+        variants = ["plain", "torch", "ckptfx"] if with_torch_checkpoint else ["plain", "ckptfx"]
+        results = run(schedule, variants, mesh, steps)
+        ref, ours, torch_ckpt = results["plain"], results["ckptfx"], results.get("torch")
         same = (all(bitwise(a, b) for a, b in zip(ours["losses"], ref["losses"]))
                 and bitwise(ours["grads"], ref["grads"]))
         first = sorted({r / MICROBATCHES for r in ours["runs"][0]})

@@ -300,6 +300,7 @@ def two_ranks(rank: int, world: int) -> dict:
 
 
 def pipeline_2x2(rank: int, world: int) -> dict:
+    os.environ["CKPTFX_PP_DIM"] = "16"
     path = Path(__file__).resolve().parent.parent / "examples" / "fsdp_pipeline.py"
     spec = importlib.util.spec_from_file_location("ckptfx_example_fsdp_pipeline", path)
     example = importlib.util.module_from_spec(spec)
