@@ -286,6 +286,40 @@ def _remat_fsdp_call(rank: int) -> dict:
     return out
 
 
+def _variants(rank: int) -> dict:
+    """DDP(find_unused_parameters=True) and FSDP2 with a bf16 mixed-precision policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict = {}
+    ours, ref = model("checkpoint_wrapper"), model("plain")
+    d = DDP(ours, find_unused_parameters=True)
+    dref = DDP(ref, find_unused_parameters=True)
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def shard(m: nn.Module) -> nn.Module:
+        for b in m:
+            fully_shard(b, mp_policy=mp_policy)
+        return fully_shard(m, mp_policy=mp_policy)
+
+    f_ours, f_ref = shard(model("checkpoint_wrapper")), shard(model("plain"))
+    for name, mod, mref, local in (("ddp_find_unused", d, dref, False),
+                                   ("fsdp_bf16", f_ours, f_ref, True)):
+        checks = []
+        for step in range(2):
+            torch.manual_seed(rank + 10 * step)
+            x = torch.randn(3, D, requires_grad=True)
+            mref(x).float().sum().backward()
+            y, dx_fn, dw_fn = ckptfx.vjp_split(mod, x, params=mod.parameters())
+            dx_fn(torch.ones_like(y))
+            dw_fn()
+            get = (lambda p: p.grad.to_local()) if local else (lambda p: p.grad)
+            checks.append(_eq([get(p) for p in mod.parameters()],
+                              [get(p) for p in mref.parameters()]))
+        out[name] = checks
+    return out
+
+
 def two_ranks(rank: int, world: int) -> dict:
     """Every two-rank check, in one process group."""
     return {
@@ -293,6 +327,7 @@ def two_ranks(rank: int, world: int) -> dict:
         "ddp": _ddp(rank),
         "fsdp": _fsdp(rank),
         "remat_fsdp_call": _remat_fsdp_call(rank),
+        "variants": _variants(rank),
     }
 
 

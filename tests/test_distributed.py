@@ -155,6 +155,11 @@ def test_ddp_static_graph_first_step_is_refused_before_any_gradient(two_ranks: d
         assert d[1:] == [("split", True, True)] * 2
 
 
+def test_ddp_find_unused_and_fsdp2_mixed_precision_splits(two_ranks: dict) -> None:
+    for r in two_ranks.values():
+        assert r["variants"] == {"ddp_find_unused": [True, True], "fsdp_bf16": [True, True]}
+
+
 @pytest.mark.parametrize(("wrap", "how"), workers.FSDP_CASES)
 def test_fsdp2_split_is_bitwise_and_reshards(two_ranks: dict, wrap: str, how: str) -> None:
     runs = 4 if wrap == "checkpoint_wrapper" else 2  # 2 blocks: forward + one replay each
