@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import optree
 import torch
@@ -242,9 +242,10 @@ class Recorder(_compat.TorchDispatchMode):
             log.record(func, args, kwargs, out)
         return out
 
-    def finish(self) -> None:
+    def __exit__(self, *exc: Any) -> None:
         if self.log is not None:
             self.log.settle()
+        return super().__exit__(*exc)
 
 
 class Replayer(_compat.TorchDispatchMode):
@@ -293,18 +294,9 @@ class Replayer(_compat.TorchDispatchMode):
         return optree.tree_unflatten(spec, leaves)
 
 
-@contextlib.contextmanager
-def forward_context(frame: Any) -> Iterator[None]:
+def forward_context(frame: Any) -> Any:
     """A checkpoint forward: record its collectives where one can run (Rule 3)."""
-    if not watch_needed():
-        yield
-        return
-    rec = Recorder(frame)
-    with rec:
-        try:
-            yield
-        finally:
-            rec.finish()
+    return Recorder(frame) if watch_needed() else _NULL
 
 
 def replay_context(frame: Any) -> Any:
