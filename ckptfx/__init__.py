@@ -15,6 +15,7 @@ Example::
 
 from . import _compat
 from ._compile import CompiledBlockWarning, CompiledReplayWarning, CompileOffloadWarning
+from ._collectives import register_collective
 from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
 from .frame import CheckpointError
 from .integrations import apply_activation_checkpointing
@@ -67,6 +68,7 @@ __all__ = [
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",
     "recompute_session_stats",
+    "register_collective",
     "unwrap_checkpoint",
     "grad_split",
     "vjp_split",

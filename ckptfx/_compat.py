@@ -259,3 +259,76 @@ def pipeline_stage_runtime_validate(stage: Any) -> bool:
     """True where a pipeline stage checks every runtime tensor against its inferred
     metadata (``TORCH_DISTRIBUTED_DEBUG=DETAIL``)."""
     return bool(getattr(stage, "_runtime_validate", False))
+
+
+# -- FSDP2 (fully_shard) internals, for ckptfx._distributed ---------------------------------
+# A state (``FSDPState``) owns parameter groups (``FSDPParamGroup``); each group all-gathers
+# (``unshard``), reduce-scatters (``post_backward``) and frees (``reshard``) its parameters;
+# the root's final callback ends a backward. The flags below are what FSDPModule's public
+# setters (set_requires_gradient_sync, set_reshard_after_backward, set_is_last_backward) write.
+
+
+def fsdp_state_of(module: Any) -> Any:
+    """The FSDP2 state of a ``fully_shard``-ed module, or None."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    return _get_module_fsdp_state(module)
+
+
+def fsdp_all_states(state: Any) -> list[Any]:
+    """Every FSDP2 state of the tree ``state`` belongs to (filled at the root's lazy init)."""
+    states = list(getattr(state._state_ctx, "all_states", ()) or ())
+    return states if states else [state]
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    return list(state._fsdp_param_groups)
+
+
+def fsdp_group_params(group: Any) -> list[tuple[Any, Any]]:
+    """(sharded parameter, unsharded parameter) of each parameter of a group that has been
+    unsharded at least once (the unsharded one is what the autograd graph holds)."""
+    out = []
+    for fp in group.fsdp_params:
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None:
+            out.append((fp.sharded_param, unsharded))
+    return out
+
+
+def fsdp_unshard(group: Any) -> None:
+    if not group.is_unsharded:
+        group.unshard()
+        group.wait_for_unshard()
+
+
+def fsdp_group_flags(group: Any) -> tuple[bool, bool]:
+    return group.reduce_grads, group.reshard_after_backward
+
+
+def fsdp_set_group_flags(group: Any, flags: tuple[bool, bool]) -> None:
+    group.reduce_grads, group.reshard_after_backward = flags
+
+
+def fsdp_is_last_backward(state: Any) -> bool:
+    return state._state_ctx.is_last_backward
+
+
+def fsdp_set_is_last_backward(state: Any, value: bool) -> None:
+    state._state_ctx.is_last_backward = value
+
+
+def fsdp_post_backward(group: Any) -> None:
+    group.post_backward()
+
+
+def fsdp_final_callback(state: Any) -> None:
+    state._root_post_backward_final_callback()
+
+
+def ddp_delays_all_reduce(module: Any) -> bool:
+    """True for a DDP(static_graph=True) module before its first backward: its output's
+    ``_DDPSink`` queues the whole all-reduce at the end of the backward pass that reaches it."""
+    return bool(getattr(module, "static_graph", False)) and not getattr(
+        module, "_static_graph_delay_allreduce_enqueued", True
+    )

@@ -11,6 +11,7 @@ from torch import nn
 
 from . import _compat, _compile
 from ._debug import DebugLogs
+from . import _collectives
 from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from .policies import NameCheck, NothingSaveable, check_policy, name_check
 from .session import collect, uncollect
@@ -110,6 +111,13 @@ def checkpoint(
       recompute session (a ``CompiledReplayWarning`` says so). To keep sessions, prefire
       and ``vjp_split``, compile the block and checkpoint the compiled block:
       ``checkpoint(torch.compile(block), x)`` replays its compiled code.
+    - Collectives are not replayed (unlike torch): where ``torch.distributed`` is initialized
+      (or an op was passed to ``ckptfx.register_collective``) the forward logs the outputs
+      of each c10d / functional collective in the block, and the replay, which re-runs the
+      Python function, is answered from that log instead of calling them again, so ranks
+      cannot desynchronise by replaying different collectives. A replay that calls another
+      collective than the forward raises ``CheckpointError``. FSDP2's own all-gathers are
+      not the block's and run as usual. See ``ckptfx._collectives``.
 
     Args:
         function: the block; called as ``function(*args, **kwargs)``. Outputs may be any
@@ -230,7 +238,7 @@ def run_checkpointed(
     suppressed = True
     _compat.push_saved_tensors_hooks(frame.pack, unpack_hook)
     try:
-        with forward_ctx:
+        with forward_ctx, _collectives.forward_context(frame):
             out = function(*args, **kwargs)
             suppressed = False
     except BaseException:

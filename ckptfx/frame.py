@@ -530,9 +530,11 @@ def rerun_function(frame: Frame, tensors: Replay) -> None:
     args = frame.saved_inputs()
     rec = _Recorder(frame, tensors, args)
     ctx = frame.recompute_ctx if frame.recompute_ctx is not None else contextlib.nullcontext()
+    from ._collectives import replay_context  # (it imports this module)
+
     _compat.push_saved_tensors_hooks(rec.pack, _identity)
     try:
-        with torch.enable_grad(), frame.env.restored(), ctx:
+        with torch.enable_grad(), frame.env.restored(), ctx, replay_context(frame):
             try:
                 rec.start()
                 frame.fn(*args, **frame.kwargs)

@@ -70,6 +70,11 @@ def remat(
         policy: a ``ckptfx.checkpoint_policies`` policy, or any torch selective-checkpoint
             policy function ``(ctx, op, *args, **kwargs) -> bool | CheckpointPolicy``.
             ``None`` (default) keeps nothing but the inputs the backward needs.
+            Collectives (c10d and functional collectives, ops passed to
+            ``ckptfx.register_collective``) are kept whatever the policy, unless it answers
+            ``CheckpointPolicy.MUST_RECOMPUTE`` for them: a replay never re-runs one. FSDP2's
+            all-gathers (a remat around an FSDP2 module call) are outside the recording: the
+            block reads the unsharded parameters as it reads any parameter.
         early_stop: when the block must be re-run as a Python function (a recording that
             cannot be shown faithful is not replayed op by op; see the guide's "How remat
             replays"), stop once every needed tensor exists (never changes a gradient).

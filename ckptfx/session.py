@@ -34,6 +34,7 @@ import threading
 import weakref
 from typing import Any, Hashable, Iterator
 
+from ._distributed import before_prefire
 from .frame import CheckpointError, Frame, tls
 
 __all__ = [
@@ -368,6 +369,7 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
     if registered is not None:
         frame, session = registered
         if frame.replays.get(session) is None:
+            before_prefire(frame)  # FSDP2: the replay reads unsharded parameters
             frame.replay(session, scheduled=True)
 
 

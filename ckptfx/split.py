@@ -54,7 +54,7 @@ import optree
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from . import _compile
+from . import _compile, _distributed
 from .frame import CheckpointError, tls
 from .session import (
     RecomputeHandle,
@@ -345,6 +345,7 @@ class _Split:
         self.state = "forward"
         self.prefired = False
         self.session_obj: Any = None
+        self.dp: _distributed.DataParallel | None = None
 
         # Flatten the primals; make every floating tensor differentiable (as jax.vjp and
         # torch.func.vjp do), aliasing those that do not require grad.
@@ -404,8 +405,14 @@ class _Split:
             _inflight[session] = self
 
         try:
-            with recompute_handle_collector_ctx() as handles, torch.enable_grad():
+            with _distributed.observing() as seen, recompute_handle_collector_ctx() as handles, \
+                    torch.enable_grad():
                 res = fun(*call_args, **kwargs)
+            # FSDP2 / DDP modules the forward ran (None in one process): see _distributed.
+            self.dp = seen if seen else None
+            if self.dp is not None:
+                self.dp.check_split(who)
+                self.dp.adopt_params(self.weights, self.param_slots, w_index)
         except BaseException:
             self._forget()
             raise
@@ -450,7 +457,11 @@ class _Split:
         self.state = "done"
         try:
             clear_recompute_session(self.key)
+            dp = getattr(self, "dp", None)
+            if dp is not None:
+                dp.abandon()  # after a reduce() this does nothing
         finally:
+            self.dp = None
             self.captured = {}
             self.groups = []
             self.out_edges = []
@@ -490,6 +501,8 @@ class _Split:
             self._check_not_cleared()
             return
         try:
+            if self.dp is not None:
+                self.dp.before_replay()  # replays read unsharded FSDP parameters
             for h in self.handles:
                 (recompute_handle if replay else register_handle)(h, self.key)
         except BaseException:
@@ -536,6 +549,8 @@ class _Split:
             self.state = "dx"
         try:
             self._prefire(replay=False)  # Rule 2: each block replays at its first unpack
+            if self.dp is not None:
+                self.dp.hold()
             used = [i for i, c in enumerate(cots) if c is not None]
             self.cotangents = [cots[i] for i in used]
             outputs = [self.outputs[i] for i in used]
@@ -627,6 +642,7 @@ class _Split:
                     seeds.append(self.cotangents[i])
                 if edges:
                     work.append((g, edges, seeds))
+            ddp = self.dp is not None and bool(self.dp.ddp)
 
             def run_group(g: _Group, edges: list[GradientEdge],
                           seeds: list[torch.Tensor | None], last: bool) -> None:
@@ -639,10 +655,15 @@ class _Split:
                             saved = self.captured.get(node)
                             if saved is not None:
                                 hooks.append(node.register_prehook(lambda _, s=saved: s))
-                    res = torch.autograd.grad(
-                        edges, [self.w_edges[i] for i in g.weights], seeds,
-                        retain_graph=not last, allow_unused=True,
-                    )
+                    if ddp:
+                        res = self.dp.accumulate_through_ddp(  # type: ignore[union-attr]
+                            self.weights, self.param_slots, self.w_edges, g.weights,
+                            edges, seeds, last)
+                    else:
+                        res = torch.autograd.grad(
+                            edges, [self.w_edges[i] for i in g.weights], seeds,
+                            retain_graph=not last, allow_unused=True,
+                        )
                 finally:
                     for h in hooks:
                         h.remove()
@@ -666,7 +687,7 @@ class _Split:
                 aliases.update(t.untyped_storage().data_ptr() for t in saved if t is not None)
             for i in self.param_slots:
                 wg = wgrads[i]
-                if wg is None:
+                if wg is None or ddp:  # under DDP the reducer wrote .grad
                     continue
                 p = self.weights[i]
                 if p.grad is None:
@@ -674,6 +695,8 @@ class _Split:
                     aliases.add(p.grad.untyped_storage().data_ptr())
                 else:
                     p.grad += wg
+            if self.dp is not None:
+                self.dp.reduce()  # FSDP2's reduce-scatter and reshard
             results = []
             for treedef, slots in self.w_specs:
                 leaves: list[torch.Tensor | None] = []
@@ -774,6 +797,15 @@ def vjp_split(
     - ``dx_fn.prefire()``: replay the checkpointed blocks now, for a scheduler that wants the
       replay earlier than dx (dx_fn does it otherwise).
 
+    Data parallel (``ckptfx._distributed``): if ``fun`` runs FSDP2 (``fully_shard``) modules,
+    replays see unsharded parameters, and ``dw_fn`` fills the sharded ``.grad`` of their
+    parameters through FSDP's own reduce-scatter and reshards, bitwise as ``backward()``;
+    ``params=`` may be the sharded parameters (``model.parameters()``). If it runs DDP
+    modules, ``dw_fn``'s parameter gradients go through DDP's reducer (all-reduced and
+    averaged as in DDP's backward); a ``DDP(static_graph=True)`` in its first iteration is
+    refused with ``CheckpointError`` before any gradient is written. In both cases the
+    wrapper's parameters are dw's whether or not they are passed as ``params=``.
+
     Any other order (``dw_fn`` before ``dx_fn``, either one twice, ``prefire`` after
     ``dx_fn``, a call after the session was cleared) raises ``ckptfx.CheckpointError``, a
     ``RuntimeError``, saying what to call instead.
@@ -815,7 +847,8 @@ def grad_split(
       passed to ``fun`` and not differentiated.
     - ``dw_fn(session)`` returns the gradients of the arguments not in ``x_argnums`` (one
       pytree when one argument remains, else a tuple in positional order) and releases the
-      session.
+      session. FSDP2 and DDP modules run by ``fun`` get their reduced ``.grad`` as with
+      ``vjp_split``.
 
     Several sessions may be in flight at once (``dx(s1) dx(s2) dw(s1) dx(s3) ...``), on any
     threads. A session runs ``dx_fn`` then ``dw_fn`` once; afterwards its key may be reused.

@@ -75,7 +75,7 @@ import optree
 import torch
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
-from . import _compat
+from . import _collectives, _compat
 from ._debug import user_call_site
 from ._ops import _OP_INFO, op_info as _op_info
 from .frame import CheckpointError, Frame, Holder, Replay, rerun_function
@@ -208,6 +208,9 @@ class Segment:
         # insisted on (MUST_SAVE) or moved to the host.
         self.single_use: list[Any] = []
         self.extra: list[Any] = []
+        # Ops that are collectives the policy did not ask to recompute: never replayed
+        # (ckptfx._collectives Rule 2).
+        self.collectives: set[int] = set()
 
     def not_replayable(self, why: str) -> None:
         if self.replayable:
@@ -236,6 +239,15 @@ class Segment:
             if kept is not None and id(kept) not in stale:
                 available[sv] = kept
         plan = self._plan([sv for _, sv in targets], available)
+        if self.collectives and not self.collectives.isdisjoint(plan):
+            op = self.ops[min(self.collectives.intersection(plan))]
+            raise CheckpointError(
+                f"ckptfx.remat: the replay would run the collective {op.func} again (its "
+                "kept output was modified in place after the forward); a replayed "
+                "collective runs on this rank only. Clone the collective's output before "
+                "modifying it, or have the policy answer MUST_RECOMPUTE for it if every "
+                "rank replays it"
+            )
         self.last_plan = len(plan)
         vals: list[Any] = [None] * len(self.producer)
         for slot, t in zip(self.input_slots, frame.saved_inputs()):
@@ -247,6 +259,14 @@ class Segment:
                     f"({_describe(t)}, e.g. a parameter or a closure) was modified in place "
                     "between the forward and the backward; the replay would read the new "
                     "values. Run the backward before updating it, or pass it as an argument."
+                )
+            if t.untyped_storage().nbytes() == 0 and t.numel():
+                raise CheckpointError(
+                    f"ckptfx.remat: a parameter the block read ({_describe(t)}) has no data "
+                    "now: FSDP resharded it after the forward. A replay needs it unsharded: "
+                    "run the replay inside the FSDP module's backward (remat around the "
+                    "module call, whose output FSDP's pre-backward hook watches), or through "
+                    "vjp_split / ckptfx.pipelining, which unshard before prefire"
                 )
             vals[slot] = t
         # Values kept only because the replay reads them are single-use (Rule 2b): this
@@ -510,6 +530,9 @@ class Tracer(_compat.TorchDispatchMode):
         # Generator key -> the last random op that drew from it, and op -> its keys (Rule 3b).
         self.last_draw: dict[Hashable, int] = {}
         self.draw_keys: dict[int, frozenset[Any]] = {}
+        # FSDP scopes and collectives (ckptfx._collectives), only where one can run.
+        self.dist = _collectives.Watch() if _collectives.watch_needed() else None
+        self.dist_log: Any = None
         for i, t in enumerate(inputs):
             if id(t) not in self.ids:
                 self.ids[id(t)] = self._new_slot(-1, None, root=True)
@@ -573,6 +596,16 @@ class Tracer(_compat.TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        dist = self.dist
+        collective = False
+        if dist is not None:
+            if self.dist_log is not None and self.dist_log.pending:
+                self.dist_log.settle()
+            if dist.outside(func, args):  # FSDP's own op: outside the block
+                out = func(*args, **kwargs)
+                dist.ran(func, args, out)
+                return out
+            collective = _collectives.is_collective(func)
         seg = self.seg
         info = _OP_INFO.get(func) or _op_info(func)
         leaves, spec = _flatten(args, kwargs)
@@ -631,6 +664,13 @@ class Tracer(_compat.TorchDispatchMode):
         op = _Op(func, spec, leaves, inputs, rng,
                  user_call_site() if self.sites else None)
         seg.ops.append(op)
+        if collective:
+            decision = _collectives.collective_decision(self.policy, _SAC_CTX, func, args, kwargs)
+            if decision is not False:
+                seg.collectives.add(index)
+            if self.dist_log is None:  # for a fallback re-run of the function
+                self.dist_log = _collectives.log_for(self.frame)
+            self.dist_log.record(func, args, kwargs, out)
 
         for i, name in info.writes:  # versions move on for every value this op rewrote
             v = args[i] if i < len(args) else kwargs.get(name)
@@ -648,7 +688,8 @@ class Tracer(_compat.TorchDispatchMode):
         if own:
             self._own_inputs_written(own, args, kwargs)
 
-        decision = None
+        if not collective:
+            decision = None
         decisions, roots = self.decision, self.root
         out_leaves = _out_leaves(out)
         for j, o in enumerate(out_leaves):
@@ -677,7 +718,11 @@ class Tracer(_compat.TorchDispatchMode):
                     op.outs.append((j, slot))
                     continue
             op.outs.append((j, slot))
-            if self.policy is not None:
+            if collective:
+                decisions[slot] = decision
+                if decision is not False:
+                    self._hold(slot, o, decision, id(o) in written)
+            elif self.policy is not None:
                 if decision is None:
                     decision = call_policy(self.policy, _SAC_CTX, func, args, kwargs)
                 decisions[slot] = decision
@@ -834,6 +879,8 @@ class Tracer(_compat.TorchDispatchMode):
         """End of the forward: hand the segment to the frame as its replay strategy."""
         if self.refresh:
             self._refresh()
+        if self.dist_log is not None:
+            self.dist_log.settle()
         self.recent = []
         self._keep_what_the_replay_reads()
         self.frame.rerun = self.seg.replay
