@@ -57,6 +57,7 @@ from torch.utils.flop_counter import flop_registry
 
 from . import policies as _policies
 from ._ops import op_info
+from ._term import human_bytes
 from ._tracers import reporting
 from .policies import DOTS, Decision, Policy, everything_saveable
 from .trace import Segment, Tracer
@@ -492,10 +493,10 @@ class Frontier:
         p = self.choose(fraction) if choice is None else choice
         ev, no = self.everything, self.nothing
         lines = [
-            f"memory_budget({fraction:g}): keeps {_b(p.nbytes)} of {_b(ev.nbytes)} "
-            f"(everything_saveable; budget {_b(self.budget_bytes(fraction))}), recomputes "
+            f"memory_budget({fraction:g}): keeps {human_bytes(p.nbytes)} of {human_bytes(ev.nbytes)} "
+            f"(everything_saveable; budget {human_bytes(self.budget_bytes(fraction))}), recomputes "
             f"{_f(p.flops)} of {_f(no.flops)} FLOPs (nothing_saveable; dots_saveable keeps "
-            f"{_b(self.dots.nbytes)} and recomputes {_f(self.dots.flops)}); chosen from "
+            f"{human_bytes(self.dots.nbytes)} and recomputes {_f(self.dots.flops)}); chosen from "
             f"{len(self.points)} frontier points of {self.candidates} candidates over "
             f"{self.units} ops ({'exact' if self.exact else 'greedy chains + dots'})",
         ]
@@ -699,14 +700,6 @@ class _Model:
                     best, best_score = u, score
             assert best is not None
             current = current - {best}
-
-
-def _b(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _f(n: int) -> str:

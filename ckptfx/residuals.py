@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import budget
+from ._term import human_bytes
 from .func import modules_read_by
 from .policies import everything_saveable
 from .remat import RematOptions, call, unwrap
@@ -150,17 +151,8 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
         # torch's compiled checkpoint cannot offload (see ckptfx._compile, Rule 4)
         print("offloaded residuals stay in device memory when the block runs inside "
               "torch.compile")
-    print(f"total: {len(residuals)} residuals, {_bytes(total)} "
-          f"({_bytes(extra)} beyond the arguments)")
-
-
-def _bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value} B"
+    print(f"total: {len(residuals)} residuals, {human_bytes(total)} "
+          f"({human_bytes(extra)} beyond the arguments)")
 
 
 def _as_leaf(x: Any) -> Any:
