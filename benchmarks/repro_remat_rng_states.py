@@ -1,6 +1,6 @@
 """Generator states held by remat, against torch's checkpoint and ckptfx.checkpoint.
 
-remat replays random ops from the generator states they drew from in the forward (trace.py,
+remat replays random ops from the generator states they drew from in the forward (segment.py,
 Rule 3). It used to store the CPU state (5,056 bytes of mt19937) before every random op, 4
 per encoder block, 118.5 KiB over 6 blocks above torch's checkpoint, which keeps one state per
 block. Now the block's first CPU draw starts from the frame's start state and later draws

@@ -16,7 +16,7 @@ Rules
    pay no planning cost: a per-op policy answers from the chosen set by op position.
 
 2. A keep-set is scored by replaying, on the recording, exactly what trace.py does with it
-   (its Rules 2 and 2b): which packs are kept, which values the replay's frontier keeps, and
+   (keep.py's Rules 2 and 2b): which packs are kept, which values the replay's frontier keeps, and
    which ops the replay then runs (``Segment._plan``). Bytes are distinct storages kept beyond
    the block's arguments; the cost is (recompute FLOPs, recomputed output elements), compared
    in that order (most elementwise ops count 0 FLOPs; the elements break their ties).
@@ -637,7 +637,7 @@ class _Model:
                 kept.add(sv)
             else:
                 wanted.append(sv)
-        # the replay's frontier (trace.py, Tracer._keep_what_the_replay_reads)
+        # the replay's frontier (keep.py, Tracer._keep_what_the_replay_reads)
         frontier: set[tuple[int, int]] = set()
         stack = list(wanted)
         seen: set[tuple[int, int]] = set()

@@ -1,5 +1,5 @@
 """remat's random ops replay the forward's numbers while storing no more generator states
-than torch's checkpoint (trace.py, Rule 3b): the first CPU draw starts from the block's
+than torch's checkpoint (segment.py, Rule 3b): the first CPU draw starts from the block's
 start state, later draws continue from the random op before them."""
 
 from __future__ import annotations
