@@ -73,7 +73,7 @@ from .session import (
     recompute_session_ctx,
 )
 from . import split as _split
-from .split import trim_session, weight_pass_nodes
+from ._weight_groups import trim_session, weight_pass_nodes
 
 __all__ = ["PipelineStage"]
 

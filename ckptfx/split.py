@@ -16,16 +16,14 @@ Rules
    leaves) capture the gradients flowing into them. The engine computes only the edges it
    needs, so dx does only the input half of each node that has both.
 
-3. dw runs one ``autograd.grad`` per parameter group, rooted at the intermediates with the
-   captured gradients (and at outputs that do not depend on the inputs, with their cotangent),
-   so it executes only weight-gradient ops. dx + dw do the work of one fused backward (shared
-   weights used by several intermediates are the exception: their group re-runs the input ops
-   between those intermediates, as torch's split does).
+3. dw runs the weight pass (``ckptfx._weight_pass``): one ``autograd.grad`` per parameter
+   group (``ckptfx._weight_groups``), rooted at the intermediates with the captured gradients,
+   so it executes only weight-gradient ops; dx + dw do the work of one fused backward.
 
 4. Between dx and dw the session keeps only the replayed tensors dw will read: during dx the
    unpack hook logs which autograd node read each replayed tensor, and when dx ends the tensors
    read only by nodes dw will not execute (activation outputs, softmax probabilities, dropout
-   masks) are dropped from the session's replay.
+   masks) are dropped from the session's replay (``ckptfx._weight_groups``, Rule 2 there).
 
 5. dw is the last consumer: in a ``finally`` it clears the session and drops the captured
    gradients, hooks and graph, also when it raises. A dx that fails after its arguments were
@@ -38,13 +36,12 @@ Rules
    called too early can still be called at the right time), except that a split whose session
    was cleared is released at the first call that finds it so.
 
-The graph analysis follows the technique of ``torch.distributed.pipelining``'s
-``stage_backward_input`` / ``stage_backward_weight``; the code is ckptfx's own.
+The graph analysis (the weight groups) is ``ckptfx._weight_groups``'s; the primals as flat tensor
+lists (flattening, the cotangent's check, packing the gradients) are ``ckptfx._primals``'s.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import weakref
@@ -55,6 +52,19 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from . import _compile, _distributed
+from ._primals import (
+    _detach_tree,
+    _normalize_argnums,
+    _pack,
+    check_cotangent,
+    check_params,
+    flatten_primals,
+    pack_input_grads,
+    pack_weight_grads,
+)
+# The weight groups live in _weight_groups; trim_session and weight_pass_nodes stay importable here.
+from ._weight_groups import Node, _Group, _plan, trim_session, weight_pass_nodes
+from ._weight_pass import weight_pass
 from .frame import CheckpointError, tls
 from .session import (
     RecomputeHandle,
@@ -66,8 +76,6 @@ from .session import (
 )
 
 __all__ = ["SplitInputFn", "SplitWeightFn", "grad_split", "vjp_split", "weight_pass_nodes"]
-
-Node = Any  # torch.autograd.graph.Node (C++ nodes have no common Python base)
 
 _inflight_lock = threading.Lock()
 # session key -> the split using it; a split that was dropped unfinished frees its key.
@@ -89,209 +97,7 @@ class _SplitKey:
         return f"<vjp_split session {self.n}>"
 
 
-# -- graph analysis ---------------------------------------------------------------------------
-
-
-class _Group:
-    """Weights whose gradient paths leave the input path at the same nodes."""
-
-    __slots__ = ("intermediates", "roots", "weights")
-
-    def __init__(self) -> None:
-        self.intermediates: list[Node] = []  # input-path nodes; their captured grads are roots
-        self.roots: list[int] = []  # outputs that do not depend on the inputs; cotangent roots
-        self.weights: list[int] = []  # indices into the split's weight list
-
-
-def _plan(
-    out_edges: Sequence[GradientEdge], x_nodes: set[Node], w_nodes: Sequence[Node | None]
-) -> list[_Group]:
-    """Group the weights by where their gradient paths meet the input path."""
-    stop = x_nodes | {n for n in w_nodes if n is not None}
-    parents: dict[Node, list[Node]] = {}
-    queue: collections.deque[Node] = collections.deque()
-    for e in out_edges:
-        if e.node not in parents:
-            parents[e.node] = []
-            queue.append(e.node)
-    while queue:
-        node = queue.popleft()
-        if node in stop:  # an input's own history is not this split's business
-            continue
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            lst = parents.get(child)
-            if lst is None:
-                parents[child] = lst = []
-                queue.append(child)
-            lst.append(node)
-    # The input path: every node from which an input is reachable.
-    on_input_path = {n for n in x_nodes if n in parents}
-    stack = list(on_input_path)
-    while stack:
-        for p in parents[stack.pop()]:
-            if p not in on_input_path:
-                on_input_path.add(p)
-                stack.append(p)
-    out_nodes: dict[Node, list[int]] = collections.defaultdict(list)
-    for i, e in enumerate(out_edges):
-        out_nodes[e.node].append(i)
-
-    groups: list[_Group] = []
-    owner: dict[Node, _Group] = {}
-    for wi, w in enumerate(w_nodes):
-        if w is None or w not in parents:
-            continue  # unused weight: no gradient
-        frontier: set[Node] = set()
-        closure = {w}
-        stack = [w]
-        while stack:
-            node = stack.pop()
-            if node in out_nodes:
-                frontier.add(node)
-            for p in parents[node]:
-                if p in on_input_path:
-                    frontier.add(p)
-                elif p not in closure:
-                    closure.add(p)
-                    stack.append(p)
-        group: _Group | None = None
-        for f in frontier:
-            g = owner.get(f)
-            if g is not None and g is not group:
-                if group is None:
-                    group = g
-                else:  # two groups meet at this weight: merge them
-                    group.weights += g.weights
-                    for n in (*g.intermediates, *(out_edges[i].node for i in g.roots)):
-                        owner[n] = group
-                    group.intermediates += g.intermediates
-                    group.roots += g.roots
-                    groups.remove(g)
-        if group is None:
-            group = _Group()
-            groups.append(group)
-        group.weights.append(wi)
-        for f in frontier:
-            if owner.get(f) is group:
-                continue
-            owner[f] = group
-            if f in on_input_path:
-                group.intermediates.append(f)
-            else:
-                group.roots += out_nodes[f]
-    for g in groups:
-        g.weights.sort()
-        g.roots.sort()
-    return groups
-
-
-def _leading_to(starts: Iterable[Node], targets: Iterable[Node], stop: set[Node]) -> set[Node]:
-    """Nodes reachable from ``starts`` (inclusive) from which some target is reachable."""
-    memo: dict[Node, bool] = {t: True for t in targets}
-    for s in starts:
-        if s in memo:
-            continue
-        memo[s] = False
-        stack = [(s, iter(() if s in stop else s.next_functions))]
-        while stack:
-            node, it = stack[-1]
-            for child, _ in it:
-                if child is None:
-                    continue
-                if child not in memo:
-                    memo[child] = False
-                    stack.append((child, iter(() if child in stop else child.next_functions)))
-                    break
-                if memo[child]:
-                    memo[node] = True
-            else:
-                stack.pop()
-                if stack and memo[node]:
-                    memo[stack[-1][0]] = True
-    return {n for n, leads in memo.items() if leads}
-
-
-def weight_pass_nodes(
-    groups: Iterable[tuple[Iterable[Node], Iterable[Node]]], stop: Iterable[Node] = ()
-) -> set[Node]:
-    """The input-path nodes a weight pass will execute, given its parameter groups.
-
-    Each group is ``(intermediates, weight_nodes)``. A weight pass rooted at a group's
-    intermediates executes those nodes, plus (when a group has several intermediates, i.e. a
-    weight used at several places) the nodes between them that lead to the group's weights.
-    Nodes off the input path may be included too; they are harmless to the caller (trimming
-    only looks at nodes the input pass executed).
-    """
-    keep: set[Node] = set()
-    stop_set = set(stop)
-    for intermediates, weights in groups:
-        intermediates = list(intermediates)
-        keep.update(intermediates)
-        if len(intermediates) > 1:
-            keep |= _leading_to(intermediates, weights, stop_set)
-    return keep
-
-
-def trim_session(session: Any, log: list, keep_nodes: set[Node]) -> None:
-    """Drop from ``session``'s replays every tensor that the logged dx read and dw won't.
-
-    ``log`` holds ``(holder, node)`` pairs appended by the unpack hook during a retaining dx
-    pass; a tensor is dropped when every node that read it is outside ``keep_nodes``. Tensors
-    dx never read are kept (dw may read them).
-    """
-    keep: set[Any] = set()
-    drop: list[Any] = []
-    for holder, node in log:
-        if node is None or node in keep_nodes:
-            keep.add(holder)
-        else:
-            drop.append(holder)
-    for holder in drop:
-        if holder in keep:
-            continue
-        replay = holder.frame.replays.get(session)
-        if replay is not None:
-            replay[holder.index] = None
-
-
 # -- the split --------------------------------------------------------------------------------
-
-
-def _differentiable(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-
-
-def _normalize_argnums(x_argnums: Any, n: int, name: str = "x_argnums") -> tuple[tuple[int, ...], bool]:
-    single = isinstance(x_argnums, int) and not isinstance(x_argnums, bool)
-    nums = (x_argnums,) if single else x_argnums
-    if not isinstance(nums, (tuple, list)) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in nums
-    ):
-        raise TypeError(f"{name} must be an int or a tuple of ints, got {x_argnums!r}")
-    out = []
-    for i in nums:
-        if not -n <= i < n:
-            raise ValueError(
-                f"{name}={x_argnums!r} is out of range for {n} positional argument(s)"
-            )
-        out.append(i % n)
-    if len(set(out)) != len(out):
-        raise ValueError(f"{name}={x_argnums!r} names an argument twice")
-    return tuple(out), single
-
-
-def _pack(results: list[Any], single: bool) -> Any:
-    if single:
-        return results[0]
-    return tuple(results)
-
-
-def _detach_tree(tree: Any) -> Any:
-    return optree.tree_map(
-        lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree, none_is_leaf=True
-    )
 
 
 class _Split:
@@ -323,22 +129,7 @@ class _Split:
                     f"{who}: session must be hashable (an int, str or tuple), got an unhashable "
                     f"{type(session).__name__}"
                 ) from None
-        param_list: list[torch.Tensor] = []
-        if params is not None:
-            if isinstance(params, torch.Tensor):
-                params = [params]
-            try:
-                param_list = list(params)
-            except TypeError:
-                raise TypeError(
-                    f"{who}: params must be an iterable of tensors (e.g. module.parameters()), "
-                    f"got {type(params).__name__}"
-                ) from None
-            for p in param_list:
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(
-                        f"{who}: params must contain tensors only, got a {type(p).__name__}"
-                    )
+        param_list = check_params(params, who)
         self.who = who
         self.key = session
         self.lock = threading.Lock()
@@ -347,53 +138,8 @@ class _Split:
         self.session_obj: Any = None
         self.dp: _distributed.DataParallel | None = None
 
-        # Flatten the primals; make every floating tensor differentiable (as jax.vjp and
-        # torch.func.vjp do), aliasing those that do not require grad.
-        call_args = list(args)
-        self.x_specs: list[tuple[Any, list[int | None]]] = []  # (treedef, slots) per x arg
-        self.w_specs: list[tuple[Any, list[int | None]]] = []
-        self.x: list[torch.Tensor] = []
-        self.weights: list[torch.Tensor] = []
-        w_index: dict[int, int] = {}
-        for pos, arg in enumerate(args):
-            is_x = pos in nums
-            leaves, treedef = optree.tree_flatten(arg, none_is_leaf=True)
-            slots: list[int | None] = []
-            new_leaves = []
-            for leaf in leaves:
-                if not _differentiable(leaf):
-                    slots.append(None)
-                    new_leaves.append(leaf)
-                    continue
-                if not leaf.requires_grad:
-                    leaf = leaf.detach().requires_grad_()
-                if is_x:
-                    slots.append(len(self.x))
-                    self.x.append(leaf)
-                else:
-                    i = w_index.get(id(leaf))
-                    if i is None:
-                        i = w_index[id(leaf)] = len(self.weights)
-                        self.weights.append(leaf)
-                    slots.append(i)
-                new_leaves.append(leaf)
-            (self.x_specs if is_x else self.w_specs).append((treedef, slots))
-            call_args[pos] = optree.tree_unflatten(treedef, new_leaves)
-        self.param_slots: list[int] = []
-        for p in param_list:
-            if not p.requires_grad:
-                continue
-            i = w_index.get(id(p))
-            if i is None:
-                i = w_index[id(p)] = len(self.weights)
-                self.weights.append(p)
-            if i not in self.param_slots:
-                self.param_slots.append(i)
-        if {id(t) for t in self.x} & w_index.keys():
-            raise ValueError(
-                f"{who}: a tensor passed at x_argnums is also passed as a weight (another "
-                "primal or params=); a tensor is either differentiated by dx_fn or by dw_fn"
-            )
+        (call_args, self.x_specs, self.w_specs, self.x, self.weights, w_index,
+         self.param_slots) = flatten_primals(args, nums, param_list, who)
 
         with _inflight_lock:
             other = _inflight.get(session)
@@ -518,34 +264,11 @@ class _Split:
 
     # -- dx -----------------------------------------------------------------------------------
 
-    def _check_cotangent(self, cotangent: Any) -> list[torch.Tensor | None]:
-        leaves, treedef = optree.tree_flatten(cotangent, none_is_leaf=True)
-        if treedef != self.out_treedef:
-            raise ValueError(
-                f"{self.who}: cotangent must have the structure of the output ({self.out_treedef}), "
-                f"got {treedef}"
-            )
-        cots: list[torch.Tensor | None] = []
-        for i, shape in self.out_leaves_meta:
-            c = leaves[i]
-            if c is not None and not isinstance(c, torch.Tensor):
-                raise TypeError(
-                    f"{self.who}: cotangent leaf {i} must be a tensor (or None), got "
-                    f"{type(c).__name__}"
-                )
-            if c is not None and c.shape != shape:
-                raise ValueError(
-                    f"{self.who}: cotangent leaf {i} has shape {tuple(c.shape)}, expected "
-                    f"{tuple(shape)} (the output's shape)"
-                )
-            cots.append(c)
-        return cots
-
     def dx(self, cotangent: Any) -> Any:
         with self.lock:
             if self.state != "forward":
                 raise CheckpointError(self._order_error("dx_fn"))
-            cots = self._check_cotangent(cotangent)
+            cots = check_cotangent(cotangent, self.out_treedef, self.out_leaves_meta, self.who)
             self.state = "dx"
         try:
             self._prefire(replay=False)  # Rule 2: each block replays at its first unpack
@@ -600,16 +323,7 @@ class _Split:
                 for h in hooks:
                     h.remove()
             self._check_not_cleared()
-            by_id = {id(t): g for t, g in zip(x_req, grads)}
-            flat = [
-                (by_id.get(id(t)) if by_id.get(id(t)) is not None else torch.zeros_like(t))
-                for t in self.x
-            ]
-            results = []
-            for treedef, slots in self.x_specs:
-                results.append(
-                    optree.tree_unflatten(treedef, [None if s is None else flat[s] for s in slots])
-                )
+            results = pack_input_grads(self.x_specs, self.x, x_req, grads)
             with self.lock:
                 self.state = "dx_done"
             return _pack(results, self.x_single)
@@ -626,87 +340,13 @@ class _Split:
             self.state = "dw"
         try:
             self._check_not_cleared()
-            n = len(self.weights)
-            wgrads: list[torch.Tensor | None] = [None] * n
-            work: list[tuple[_Group, list[GradientEdge], list[torch.Tensor | None]]] = []
-            for g in self.groups:
-                edges: list[GradientEdge] = []
-                seeds: list[torch.Tensor | None] = []
-                for node in g.intermediates:
-                    for i, grad in enumerate(self.captured.get(node, ())):
-                        if grad is not None:
-                            edges.append(GradientEdge(node, i))
-                            seeds.append(grad)
-                for i in g.roots:
-                    edges.append(self.out_edges[i])
-                    seeds.append(self.cotangents[i])
-                if edges:
-                    work.append((g, edges, seeds))
-            ddp = self.dp is not None and bool(self.dp.ddp)
-
-            def run_group(g: _Group, edges: list[GradientEdge],
-                          seeds: list[torch.Tensor | None], last: bool) -> None:
-                hooks = []
-                try:
-                    if len(g.intermediates) > 1:
-                        # A root may also receive gradient through another root of the group:
-                        # pin each intermediate to what it received in dx.
-                        for node in g.intermediates:
-                            saved = self.captured.get(node)
-                            if saved is not None:
-                                hooks.append(node.register_prehook(lambda _, s=saved: s))
-                    if ddp:
-                        res = self.dp.accumulate_through_ddp(  # type: ignore[union-attr]
-                            self.weights, self.param_slots, self.w_edges, g.weights,
-                            edges, seeds, last)
-                    else:
-                        res = torch.autograd.grad(
-                            edges, [self.w_edges[i] for i in g.weights], seeds,
-                            retain_graph=not last, allow_unused=True,
-                        )
-                finally:
-                    for h in hooks:
-                        h.remove()
-                for i, r in zip(g.weights, res):
-                    wgrads[i] = r
-
-            # One retaining session context for every group but the last, one dropping
-            # context for the last (a context per group bound and unbound every frame each
-            # time: with one dw call per parameter that was most of a small block's dw).
-            if len(work) > 1:
-                with recompute_session_ctx(self.key, retain_on_unpack=True):
-                    for g, edges, seeds in work[:-1]:
-                        run_group(g, edges, seeds, False)
-            if work:
-                with recompute_session_ctx(self.key, retain_on_unpack=False):
-                    g, edges, seeds = work[-1]
-                    run_group(g, edges, seeds, True)
-            # Accumulate into .grad as backward() would; never alias a caller's tensor.
-            aliases = {c.untyped_storage().data_ptr() for c in self.cotangents if c is not None}
-            for saved in self.captured.values():
-                aliases.update(t.untyped_storage().data_ptr() for t in saved if t is not None)
-            for i in self.param_slots:
-                wg = wgrads[i]
-                if wg is None or ddp:  # under DDP the reducer wrote .grad
-                    continue
-                p = self.weights[i]
-                if p.grad is None:
-                    p.grad = wg.clone() if wg.untyped_storage().data_ptr() in aliases else wg
-                    aliases.add(p.grad.untyped_storage().data_ptr())
-                else:
-                    p.grad += wg
+            wgrads = weight_pass(
+                self.key, self.groups, self.captured, self.out_edges, self.cotangents,
+                self.weights, self.param_slots, self.w_edges, self.dp,
+            )
             if self.dp is not None:
                 self.dp.reduce()  # FSDP2's reduce-scatter and reshard
-            results = []
-            for treedef, slots in self.w_specs:
-                leaves: list[torch.Tensor | None] = []
-                for s in slots:
-                    if s is None:
-                        leaves.append(None)
-                    else:
-                        wg = wgrads[s]
-                        leaves.append(wg if wg is not None else torch.zeros_like(self.weights[s]))
-                results.append(optree.tree_unflatten(treedef, leaves))
+            results = pack_weight_grads(self.w_specs, self.weights, wgrads)
             return _pack(results, len(results) == 1)
         finally:
             self.release()
