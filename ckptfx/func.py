@@ -41,7 +41,10 @@ off, so the kernel's frames cannot work under them. Rules:
    second case is caught in the backward, before any gradient is written. The replay hands
    back a kept value only to an op whose inputs come from where the forward op's came from
    (an input, an earlier op's output, the same outside tensor): the cache can shift the
-   replay's op sequence against the forward's.
+   replay's op sequence against the forward's. An input the cache could not hold in the
+   forward (an earlier call's output: not a leaf; or a view) is read through a view in
+   the replay, whose own primals are leaves: the replay then casts it as often as the
+   forward did, and builds the same graph.
 
 Calls on this path have no kernel frame, so collectors and prefire do not see them, and
 calling one inside ``recompute_session_ctx`` is a ``CheckpointError``.
@@ -102,6 +105,7 @@ class _Block:
         self.op_sources: list[tuple[Any, ...]] = []  # where each op's tensor arguments came from
         self.outside: list[torch.Tensor] = []  # tensors the forward's ops read from outside
         self.input_tensors: tuple[torch.Tensor, ...] = ()
+        self.replay_as_view: list[bool] = []  # per input: replayed through a view (Rule 6)
         self.env: ReplayEnv | None = None
         self.kept: tuple[torch.Tensor, ...] = ()  # the kept outputs, in kept_ops order
         self.level = 0  # the transform level the call is differentiated at (0: autograd)
@@ -436,18 +440,26 @@ def _per_use_gradients(block: _Block, inputs: tuple[torch.Tensor, ...],
     expected = [k for k in block.uses if k in wanted]
     captured: list[Any] = [None] * len(expected)
 
+    # Rule 6: where the forward's input could not be cached by autocast (not a leaf, or a
+    # view), the replay reads it through a view too, so the replay casts it as often as the
+    # forward did (its own primal is a leaf, which the cache would share).
+    as_view = [any(block.replay_as_view[i] for i, k in enumerate(block.keys) if k == key)
+               for key in keys]
+    fed: list[torch.Tensor] = []
+
     def replay(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fed[:] = [d.view_as(d) if v else d for d, v in zip(diff, as_view)]
         ts = list(inputs)
         for i, k in enumerate(block.keys):
             if k in index:
-                ts[i] = diff[index[k]]
+                ts[i] = fed[index[k]]
         with block.env.restored(), _InjectMode(block, block.kept, tuple(ts)):  # type: ignore[union-attr]
             return block.run(tuple(ts))
 
     def hook_uses(outs: tuple[torch.Tensor, ...], diff: tuple[torch.Tensor, ...]) -> None:
         level = _compat.functorch_level()
         edges = {}
-        for j, d in enumerate(diff):
+        for j, d in enumerate(fed):
             e = torch.autograd.graph.get_gradient_edge(d)
             edges[(id(e.node), e.output_nr)] = (keys[j], e.node)
         roots = [outs[p] for p in block.diff_positions]
@@ -627,6 +639,9 @@ def _differentiated_call(block: _Block, inputs: tuple[torch.Tensor, ...]
     """The block under the reverse-mode level it is called at (see the module docstring)."""
     block.level = _compat.functorch_level()
     block.keys = [None] * len(inputs)
+    cache = torch.is_autocast_cache_enabled()
+    block.replay_as_view = [cache and isinstance(t, torch.Tensor)
+                            and not (t.is_leaf and not t._is_view()) for t in inputs]
     edges: dict[tuple[int, int], tuple[int, Any]] = {}
     first = None
     level = block.level

@@ -97,3 +97,20 @@ def test_kept_value_never_reaches_an_op_the_cache_shifted():
 
     r = ckptfx.remat(block, policy=cp.everything_saveable)
     assert_tree_bitwise(_grads(_twice(r), p, x), _grads(_twice(block), p, x))
+
+
+@pytest.mark.parametrize("policy", [None, cp.everything_saveable])
+def test_a_call_on_an_earlier_calls_output_replays_the_forwards_casts(policy):
+    """Call 2's input is call 1's output, which autocast's cache cannot hold (not a leaf),
+    so its forward casts ``x`` once per use; the replay's own primal is a leaf the cache
+    would share. Read through a view there, the replay casts as often as the forward (the
+    fuzzer's seed 51924 raised "the block's replay built a different autograd graph")."""
+    p, x = _inputs()
+
+    def block(p, x):
+        y = x * 1.0
+        y.add_(torch.softmax(x @ x.t() * 0.3, -1) @ x)
+        return y
+
+    r = ckptfx.remat(block, policy=policy)
+    assert_tree_bitwise(_grads(_twice(r), p, x), _grads(_twice(block), p, x))

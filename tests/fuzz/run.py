@@ -110,6 +110,8 @@ def fuzz_program(seed: int, summary: Summary, shrink: bool = True, out=None,
             t = h.torch_failure(v, prog)
             if t is not None and h.same_failure(r, t):
                 f.shared = h.describe_shared(prog)
+            elif r[0] == "wrong" and h.generator_limit_applies(v, prog):
+                f.shared = h.SHARED_LIMITS["gen_randn"]
         if shrink and not f.shared and not f.known:
             key = (r[0], r[1].split(":")[0] if r[0] == "error" else "")
             f.shrunk = h.shrink(v, prog, r) if key not in shrunk_kinds else None
