@@ -652,10 +652,7 @@ class _Model:
             if sv in held and seg.version(slot) == version:
                 frontier.add(sv)
                 continue
-            ops = [seg.producer[slot]]
-            if version:
-                ops.append(seg.writers[seg.base[slot]][version - 1])
-            for i in ops:
+            for i in seg.makers(slot, version):
                 if i >= 0:
                     stack.extend((s, v) for _, s, v in seg.ops[i].inputs)
         available = {sv: True for sv in kept | frontier}

@@ -182,6 +182,8 @@ def _writes_one_of(func: Any, args: tuple, kwargs: dict, ids: set[int]) -> bool:
 
 
 _frames_made = 0  # frames created so far (any thread; Rule 6b only asks "did it change")
+
+
 class Holder:
     """What autograd stores in place of a saved tensor: its frame and its position."""
 

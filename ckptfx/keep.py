@@ -302,9 +302,6 @@ class _PackSide:
                 (seg.single_use if decision is True else seg.extra).append(packed)
                 seg.kept[sv] = weakref.ref(packed)
                 continue
-            ops = [seg.producer[slot]]
-            if version:
-                ops.append(seg.writers[seg.base[slot]][version - 1])
-            for i in ops:
+            for i in seg.makers(slot, version):
                 if i >= 0:
                     stack.extend((s, v) for _, s, v in seg.ops[i].inputs)

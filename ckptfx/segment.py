@@ -92,6 +92,14 @@ class Segment:
         w = self.writers.get(self.base[slot])
         return 0 if w is None else len(w)
 
+    def makers(self, slot: int, version: int) -> list[int]:
+        """The ops that made ``slot`` at ``version``: its producer (-1 for an argument) and,
+        for a rewritten version, the in-place op that wrote it."""
+        ops = [self.producer[slot]]
+        if version:
+            ops.append(self.writers[self.base[slot]][version - 1])
+        return ops
+
     # The replay strategy (frame.rerun) -------------------------------------------------
 
     def replay(self, frame: Frame, tensors: Replay) -> None:
@@ -234,11 +242,7 @@ class Segment:
             if sv in seen or sv in available:
                 continue
             seen.add(sv)
-            slot, version = sv
-            ops = [self.producer[slot]]
-            if version:
-                ops.append(self.writers[self.base[slot]][version - 1])
-            for i in ops:
+            for i in self.makers(*sv):
                 # a random op recorded without its generator states needs the one before it
                 while i >= 0 and i not in needed:
                     needed.add(i)
