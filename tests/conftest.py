@@ -145,3 +145,18 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def gloo_world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A one-process gloo group for the module's tests (pipelining needs one), destroyed
+    after them."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # pragma: no cover - another module owns it
+        yield
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

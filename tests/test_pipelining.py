@@ -8,11 +8,8 @@ torch's metadata inference (one forward of each stage, with or without checkpoin
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
@@ -32,15 +29,7 @@ from conftest import assert_bitwise
 D, MB = 8, 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    if dist.is_initialized():  # pragma: no cover - another module owns it
-        yield
-        return
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
 
 
 class Block(nn.Module):
