@@ -44,7 +44,6 @@ Rules
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import threading
@@ -57,6 +56,7 @@ from torch.utils.flop_counter import flop_registry
 
 from . import policies as _policies
 from ._ops import op_info
+from ._signature import per_function, signature
 from ._term import human_bytes
 from ._tracers import reporting
 from .policies import DOTS, Decision, Policy, everything_saveable
@@ -270,29 +270,9 @@ _owner_plans: "weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, Frontier]]]" =
 
 
 def _plans_of(fun: Callable[..., Any]) -> dict[Any, "Frontier"]:
-    """The plan cache of ``fun``. Bound methods and partials are made anew at each call
-    (``module.forward``; Hugging Face layers pass ``partial(Layer.__call__, layer, ...)``),
-    so their plans live with the module they are bound to (or the function they wrap),
-    keyed by the function and the partials' non-tensor arguments."""
-    bound: list[Any] = []
-    inner, owner = fun, None
-    while isinstance(inner, functools.partial):
-        args = inner.args
-        if owner is None and args and isinstance(args[0], torch.nn.Module):
-            owner, args = args[0], args[1:]
-        bound.append(signature(args, inner.keywords, ()))
-        inner = inner.func
-    func = getattr(inner, "__func__", None)
-    if owner is None and func is not None:
-        owner, inner = getattr(inner, "__self__", None), func
-    if inner is fun:
-        return _plans.setdefault(fun, {})
-    key = (inner, tuple(bound))
-    try:
-        return _owner_plans.setdefault(owner if owner is not None else inner, {}
-                                   ).setdefault(key, {})
-    except TypeError:  # not weakly referenceable: plans for this call only
-        return {}
+    """The plan cache of ``fun`` (``_signature.per_function``: bound methods and partials
+    keep theirs with the module they are bound to)."""
+    return per_function(fun, _plans, _owner_plans)
 
 
 # For functions that name what they record (``__ckptfx_plan_key__``: a key of classes and
@@ -329,28 +309,6 @@ def take_notes() -> list[Note]:
 def peek_notes() -> list[Note]:
     """The budget notes made on this thread since the last ``take_notes``."""
     return list(_notes.items)
-
-
-_BY_VALUE = frozenset({bool, int, float, complex, str, bytes, torch.dtype, torch.device})
-
-
-def signature(args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> tuple:
-    """What a plan is keyed on: the tensors' metadata, the non-tensor arguments (by value
-    when hashable, else by identity) and the autocast state."""
-    leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
-    rest = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            continue
-        if leaf is None or type(leaf) in _BY_VALUE:
-            rest.append((type(leaf), leaf))
-        else:  # by identity: a cached plan must not keep a module (``self``) alive
-            rest.append((type(leaf), id(leaf)))
-    metas = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors)
-    devices = {t.device.type for t in tensors} | {"cpu"}
-    cast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                 for d in sorted(devices) if torch.amp.is_autocast_available(d))
-    return metas, str(spec), tuple(rest), cast
 
 
 class _PlanCursor:

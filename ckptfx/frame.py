@@ -108,9 +108,12 @@ DEBUG_TIP = (
 # Thread state read on the slow path only:
 #   activation        the session context opened on this thread (see session.py)
 #   scheduled_replay  True while this thread replays a frame for a session
+#   frames_made       frames created on this thread so far (rerun.py asks whether a block's
+#                     forward created one: a nested frame)
 class _ThreadState(threading.local):
     activation: Any = None
     scheduled_replay: bool = False
+    frames_made: int = 0
 
 
 tls = _ThreadState()
@@ -224,6 +227,7 @@ class Frame:
         global _frames_made
         _frames_made += 1  # Rule 6b: an enclosing frame's last pack may be one of ours
         self.frames_made = _frames_made
+        tls.frames_made += 1
         self.fn = fn
         # Saved under the hooks active now: the parent frame's, when nested.
         self.inputs: list[Any] = [

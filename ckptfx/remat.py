@@ -14,6 +14,7 @@ keeps a block's memory behaviour the same wherever it is called from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -23,7 +24,7 @@ import optree
 import torch
 
 from . import _compat, _compile
-from .frame import Frame, refuse_new_frame_in_scheduled_replay
+from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from .func import call_function_path
 from .policies import (
     NameCheck,
@@ -33,6 +34,7 @@ from .policies import (
     name_check,
     positional_policy_message,
 )
+from .rerun import plan_for
 from .session import collect, uncollect
 from .trace import Tracer, reporting, residual_unpack_hook
 
@@ -47,6 +49,7 @@ class RematOptions:
     early_stop: bool
     static_argnums: tuple[int, ...]
     static_argnames: frozenset[str]
+    always_record: bool = False
 
 
 def remat(
@@ -56,6 +59,7 @@ def remat(
     early_stop: bool = True,
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
+    always_record: bool = False,
 ) -> Any:
     """Make ``fun`` rematerialize: keep only what ``policy`` allows, recompute the rest.
 
@@ -81,6 +85,16 @@ def remat(
         static_argnums: positional indices of arguments that are Python values baked into
             the recording (never tensors).
         static_argnames: keyword names of such arguments.
+        always_record: record every call. By default a block whose policy keeps nothing
+            (``nothing_saveable``, ``memory_budget(0.0)``) is recorded on its first call
+            per argument signature only: if that recording shows a Python re-run would be
+            exact (no explicit ``torch.Generator``, no in-place writes to inputs, ...),
+            later calls run as ``ckptfx.checkpoint`` runs (no dispatch mode in the
+            forward: torch's checkpoint's speed) and their replay re-runs the block's
+            Python, checked as a checkpoint's is (see ``ckptfx.rerun``). Pass True where
+            the block's Python must not run in the backward, or where a later call may
+            draw from an explicit generator the first did not (its replay would raise a
+            ``CheckpointError``).
 
     Bad input is refused at once, with what to write instead: a policy passed where the
     function goes (``remat(cp.dots_saveable)``: write ``remat(policy=cp.dots_saveable)``)
@@ -113,6 +127,8 @@ def remat(
         check_policy(policy, "policy")
     if not isinstance(early_stop, bool):
         raise TypeError(f"early_stop must be a bool, got {type(early_stop).__name__}")
+    if not isinstance(always_record, bool):
+        raise TypeError(f"always_record must be a bool, got {type(always_record).__name__}")
     nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
     for n in nums:
@@ -123,7 +139,7 @@ def remat(
             raise TypeError(f"static_argnames must be strings, got {name!r}")
     if isinstance(policy, NothingSaveable):
         policy = None  # the same, without asking a policy per op
-    options = RematOptions(policy, early_stop, nums, frozenset(names))
+    options = RematOptions(policy, early_stop, nums, frozenset(names), always_record)
     if fun is None:
         return functools.partial(_decorate, options=options)
     return _decorate(fun, options=options)
@@ -137,6 +153,7 @@ def _decorate(fun: F, *, options: RematOptions) -> F:
     names = name_check(options.policy)
     lowered = _compile.Lowered(fun, options.policy)
     compiled = _compat.is_compiled_callable(fun)
+    learnt: dict[Any, Any] = {}  # what first calls taught (ckptfx.rerun, Rule 2)
 
     @functools.wraps(fun)
     def remat_call(*args: Any, **kwargs: Any) -> Any:
@@ -145,7 +162,7 @@ def _decorate(fun: F, *, options: RematOptions) -> F:
         if compiled:  # checkpointed whole (_compile.py, Rule 6)
             return _compile.call_compiled(fun, options.policy, options.early_stop, args,
                                           kwargs)
-        return call(fun, options, args, kwargs, names)
+        return call(fun, options, args, kwargs, names, learnt)
 
     remat_call.__ckptfx_remat__ = (fun, options)  # type: ignore[attr-defined]
     return remat_call  # type: ignore[return-value]
@@ -260,16 +277,20 @@ def _no_statics(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[tuple[Any, ...],
 
 
 def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
-         kwargs: dict[str, Any], names: NameCheck | None = None) -> Any:
-    """One remat call: flatten, trace under a new frame, return the outputs.
+         kwargs: dict[str, Any], names: NameCheck | None = None,
+         learnt: dict[Any, Any] | None = None) -> Any:
+    """One remat call: flatten, trace under a new frame (or run it unrecorded: ckptfx.rerun),
+    return the outputs.
 
     ``names`` (the remat'd function's unused-name check) watches the ``checkpoint_name``
-    calls of this forward until one forward has completed, then warns once if needed."""
+    calls of this forward until one forward has completed, then warns once if needed.
+    ``learnt`` is the remat'd function's cache for ckptfx.rerun (None: the one ``fun`` has,
+    found from ``fun``)."""
     if names is None or names.done or not torch.is_grad_enabled():
-        return _call(fun, options, args, kwargs)
+        return _call(fun, options, args, kwargs, learnt)
     scope = names.open()
     try:
-        out = _call(fun, options, args, kwargs)
+        out = _call(fun, options, args, kwargs, learnt)
     finally:
         names.close(scope)
     names.finish(scope, fun)
@@ -277,7 +298,7 @@ def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
 
 
 def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
-          kwargs: dict[str, Any]) -> Any:
+          kwargs: dict[str, Any], learnt: dict[Any, Any] | None) -> Any:
     if not torch.is_grad_enabled():
         if options.static_argnums or options.static_argnames:
             _split_static(options, args, kwargs)  # bad static arguments raise all the same
@@ -288,19 +309,28 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         return flat.function_path(options.policy)
     tensors = flat.tensors
     frame = Frame(flat.fn, tuple(tensors), {}, early_stop=options.early_stop)
-    names = None
-    if reporting():
-        _, _, _, _, dyn_args, dyn_kwargs = flat.pytree()
-        names = argument_names(fun, dyn_args, dyn_kwargs)
-    make_tracer = getattr(options.policy, "tracer_for", None)  # a memory budget plans
-    if make_tracer is not None:
-        tracer = make_tracer(fun, args, kwargs, tensors)(frame, tensors, names)
+    plan = plan_for(fun, options.policy, options.always_record, flat.fn, tensors, args, kwargs,
+                    learnt)
+    tracer: Tracer | None = None
+    if plan is not None and plan.unrecorded:  # ckptfx.rerun: a plain kernel frame
+        pack, unpack, mode = frame.pack, unpack_hook, _NO_MODE
     else:
-        tracer = Tracer(frame, tensors, options.policy, names)
+        names = None
+        if reporting():
+            _, _, _, _, dyn_args, dyn_kwargs = flat.pytree()
+            names = argument_names(fun, dyn_args, dyn_kwargs)
+        make_tracer = getattr(options.policy, "tracer_for", None)  # a memory budget plans
+        if make_tracer is not None:
+            tracer = make_tracer(fun, args, kwargs, tensors)(frame, tensors, names)
+        else:
+            tracer = Tracer(frame, tensors, options.policy, names)
+        pack, unpack, mode = tracer.pack, residual_unpack_hook, tracer
+    if plan is not None:
+        plan.start(frame)
     handles = collect(frame)
-    _compat.push_saved_tensors_hooks(tracer.pack, residual_unpack_hook)
+    _compat.push_saved_tensors_hooks(pack, unpack)
     try:
-        with tracer:
+        with mode:
             out = flat.fn(*tensors)
     except RuntimeError as err:
         _compat.pop_saved_tensors_hooks()  # on every error path: leave no hooks behind
@@ -319,8 +349,14 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     else:
         _compat.pop_saved_tensors_hooks()
     frame.forward_finished()
-    tracer.finish()
+    if tracer is not None:
+        tracer.finish()
+    if plan is not None:
+        plan.finish(frame, tracer)
     return out
+
+
+_NO_MODE = contextlib.nullcontext()
 
 
 def unwrap(fun: Callable[..., Any]) -> tuple[Callable[..., Any], RematOptions] | None:

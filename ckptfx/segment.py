@@ -32,7 +32,7 @@ import torch
 from ._ops import op_info as _op_info
 from .frame import CheckpointError, Frame, Replay, rerun_function
 
-__all__ = ["Segment"]
+__all__ = ["Segment", "check_outside"]
 
 
 # -- the recorded segment -------------------------------------------------------------------
@@ -133,13 +133,7 @@ class Segment:
         for slot, t in zip(self.input_slots, frame.saved_inputs()):
             vals[slot] = t
         for slot, (t, version) in self.outside.items():
-            if t._version != version:
-                raise CheckpointError(
-                    f"ckptfx.remat: a tensor the block read from outside its arguments "
-                    f"({_describe(t)}, e.g. a parameter or a closure) was modified in place "
-                    "between the forward and the backward; the replay would read the new "
-                    "values. Run the backward before updating it, or pass it as an argument."
-                )
+            check_outside(t, version)
             if t.untyped_storage().nbytes() == 0 and t.numel():
                 raise CheckpointError(
                     f"ckptfx.remat: a parameter the block read ({_describe(t)}) has no data "
@@ -298,6 +292,19 @@ def _unflatten(spec: Any, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str,
 
 def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} {list(t.shape)}"
+
+
+def check_outside(t: torch.Tensor, version: int) -> None:
+    """Before a replay: a tensor the block read from outside its arguments, at ``version``
+    in the forward, must not have been modified in place since (the replay would read the
+    new values)."""
+    if t._version != version:
+        raise CheckpointError(
+            f"ckptfx.remat: a tensor the block read from outside its arguments "
+            f"({_describe(t)}, e.g. a parameter or a closure) was modified in place "
+            "between the forward and the backward; the replay would read the new "
+            "values. Run the backward before updating it, or pass it as an argument."
+        )
 
 
 # The state the CPU generator had when the block started (``frame.env.cpu_rng``).

@@ -1,0 +1,228 @@
+"""remat's unrecorded calls: a block whose policy keeps nothing is recorded on its first call,
+and later calls that look the same run as a plain kernel frame, replayed by re-running the
+block's Python function.
+
+A recording costs Python per ATen op in the forward (a dispatch mode: at d=64 more than the
+whole of torch's checkpoint forward). A policy that keeps nothing gains nothing from it but
+exactness where a Python re-run would not be exact, and the first call's recording shows
+whether the block is such a block. So:
+
+Rules
+
+1. Which calls. ``nothing_saveable`` (remat's default) and ``memory_budget(0.0)``, the
+   policies that keep nothing but what the kernel keeps anyway (the inputs), under plain
+   autograd: not under ``saved_residuals`` (it reports the recording), not nested in another
+   block's recording, not where a collective can run (these policies keep collectives,
+   which needs the recording), and not with ``remat(..., always_record=True)``.
+2. The first call of the function with a new signature (``_signature.py``) is recorded as
+   always, and its recording decides for later calls with that signature: they may run
+   unrecorded if the recording is replayable (trace.py Rule 4: no writes to inputs or after
+   a save, no tensor subclass, no autograd inside, ...), drew no random number that a re-run
+   would draw differently (from an explicit ``torch.Generator``, or on a device whose
+   generator the frame does not capture), ran no collective and created no nested frame (a
+   re-run would create it again, which a recompute session refuses). Otherwise every call
+   with that signature is recorded.
+3. An unrecorded call is a frame as ``ckptfx.checkpoint`` makes one: the forward runs under
+   the saved-tensor hooks only, with no dispatch mode; the replay re-runs the function
+   under the kernel's deterministic early stop and its checks (frame.py Rules 5 and 6), with
+   the forward's RNG and autocast state.
+4. What a later call may do differently is caught in its replay, never passed on:
+   a. the tensors the first call read from outside its arguments (parameters, closures) are
+      checked not to have been modified in place since this call's forward, as a recorded
+      replay checks them (``segment.check_outside``);
+   b. the re-run runs under a dispatch mode (``_DrawWatch``) that raises ``CheckpointError``
+      at a draw from an explicit generator, or on a device whose generator state the frame
+      did not capture: the forward drew from a state nobody kept, so the replay cannot draw
+      the same numbers (a data-dependent branch the first call did not take);
+   c. a call that created a nested frame is a valid checkpoint frame (nesting as in torch);
+      later calls with its signature are recorded again.
+5. What users see: the replay of an unrecorded call runs the block's Python once per
+   replay, as torch's checkpoint does (a counter inside the block goes up), where a recorded
+   replay runs the recorded ATen ops only. Gradients are the same, bit for bit.
+   ``always_record=True`` keeps every call recorded.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import _collectives, _compat
+from ._ops import _OP_INFO, op_info
+from ._signature import flat_signature, per_function, signature
+from ._tracers import tracer_stack
+from .budget import MemoryBudget
+from .frame import CheckpointError, Frame, Replay, rerun_function, tls
+from .segment import check_outside
+
+__all__ = ["Plan", "keeps_nothing", "plan_for"]
+
+# Caches of what first calls learnt (Rule 2): fun -> {signature: entry}, kept with the
+# function, or with the module a bound method or partial belongs to (_signature Rule 2).
+_by_function: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
+_by_owner: "weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, Any]]]" = (
+    weakref.WeakKeyDictionary())
+_MAX_SIGNATURES = 256  # per function; a cache that grows past it starts again
+
+_RECORD = "record"  # entry: every call with this signature is recorded
+
+
+def keeps_nothing(policy: Any) -> bool:
+    """True for the policies of Rule 1 (``None`` is ``nothing_saveable``, as remat has it)."""
+    return policy is None or (isinstance(policy, MemoryBudget) and policy.fraction == 0.0)
+
+
+class _Unrecorded:
+    """Entry: calls with this signature run unrecorded; ``outside`` are weak references to
+    the tensors the first call read from outside its arguments (Rule 4a)."""
+
+    __slots__ = ("outside",)
+
+    def __init__(self, outside: Sequence[torch.Tensor]) -> None:
+        self.outside = tuple(weakref.ref(t) for t in outside)
+
+
+class Plan:
+    """What one remat call does under Rules 1-2: ``unrecorded`` or record (and, for the
+    first call of a signature, learn)."""
+
+    __slots__ = ("cache", "key", "entry", "frames")
+
+    def __init__(self, cache: dict[Any, Any], key: Any) -> None:
+        if key not in cache and len(cache) >= _MAX_SIGNATURES:
+            cache.clear()
+        self.cache = cache
+        self.key = key
+        self.entry = cache.get(key)
+        self.frames = 0
+
+    @property
+    def unrecorded(self) -> bool:
+        return self.entry.__class__ is _Unrecorded
+
+    def start(self, frame: Frame) -> None:
+        """The frame is made, the forward is about to run."""
+        self.frames = tls.frames_made
+        entry = self.entry
+        if entry.__class__ is _Unrecorded:
+            outside = []
+            for ref in entry.outside:
+                t = ref()
+                if t is not None:
+                    outside.append((t, t._version))
+            frame.rerun = _Rerun(outside)
+
+    def finish(self, frame: Frame, tracer: Any) -> None:
+        """The forward completed; ``tracer`` is its recorder (None if unrecorded)."""
+        nested = tls.frames_made != self.frames
+        if tracer is None:
+            if nested:  # Rule 4c
+                self.cache[self.key] = _RECORD
+            return
+        if self.entry is None:
+            self.cache[self.key] = _RECORD if nested else _learn(tracer, frame)
+
+
+def plan_for(fun: Callable[..., Any], policy: Any, always_record: bool, flat_fn: Any,
+             tensors: Sequence[torch.Tensor], args: tuple, kwargs: dict,
+             cache: dict[Any, Any] | None) -> Plan | None:
+    """The plan of one remat call of ``fun``, or None where Rule 1 records it (without
+    learning). ``flat_fn is fun`` for a call whose arguments are ``tensors``, positional;
+    ``cache`` is the remat'd function's own (None: the one ``fun`` is found to have)."""
+    if always_record or not keeps_nothing(policy):
+        return None
+    if tracer_stack.tracers or tracer_stack.report is not None or _collectives.watch_needed():
+        return None
+    if cache is None:
+        cache = per_function(fun, _by_function, _by_owner)
+    key = flat_signature(tensors) if flat_fn is fun else signature(args, kwargs, tensors)
+    return Plan(cache, key)
+
+
+def _learn(tracer: Any, frame: Frame) -> Any:
+    """Rule 2: the entry a first call's recording earns its signature."""
+    seg = tracer.seg
+    if (not seg.replayable or seg.subclass or seg.collectives or tracer.dist is not None
+            or frame.env.generators):
+        return _RECORD
+    env = frame.env
+    for keys in tracer.draw_keys.values():
+        for key in keys:
+            if not (isinstance(key, tuple) and _restored(env, torch.device(key[1], key[2]))):
+                return _RECORD
+    return _Unrecorded([t for t, _ in seg.outside.values()])
+
+
+def _restored(env: Any, device: torch.device) -> bool:
+    """True if a replay of the frame with ``env`` restores the default generator of
+    ``device`` (the CPU's, and the accelerator devices of the block's tensor arguments)."""
+    if device.type in ("cpu", "meta"):
+        return env.cpu_rng is not None
+    return (device.type == env.device_type and device.index is not None
+            and any(i == device.index for i, _ in env.device_rng))
+
+
+class _Rerun:
+    """The replay strategy of an unrecorded call (``Frame.rerun``; Rule 4a and 4b)."""
+
+    __slots__ = ("outside",)
+
+    def __init__(self, outside: list[tuple[torch.Tensor, int]]) -> None:
+        self.outside = outside
+
+    def __call__(self, frame: Frame, tensors: Replay) -> None:
+        for t, version in self.outside:
+            check_outside(t, version)
+        with _DrawWatch(frame):
+            rerun_function(frame, tensors)
+
+
+class _DrawWatch(_compat.TorchDispatchMode):
+    """Rule 4b: the re-run of an unrecorded call draws only what the frame restores."""
+
+    def __init__(self, frame: Frame) -> None:
+        super().__init__()
+        self.frame = frame
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled code the block calls runs compiled, as in the forward
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        info = _OP_INFO.get(func) or op_info(func)
+        if info.seeded:
+            self._check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _check(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = getattr(self.frame.fn, "__qualname__", None) or type(self.frame.fn).__name__
+        if kwargs.get("generator") is not None or any(
+                isinstance(a, torch.Generator) for a in args):
+            raise CheckpointError(
+                f"ckptfx.remat: the replay of {name} drew random numbers from an explicit "
+                f"torch.Generator ({func}), which the first call of this block with these "
+                "argument shapes did not. A block whose policy keeps nothing is recorded on "
+                "its first call only; later calls run unrecorded and replay by re-running "
+                "the function, and the generator's state at this call's forward was not "
+                "kept, so the replay cannot draw the same numbers. Pass always_record=True "
+                "to ckptfx.remat (use remat instead of checkpoint(policy=...)), or let the "
+                "block's first call draw from that generator too."
+            )
+        device = kwargs.get("device")
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), "cpu")
+        device = torch.device(device)
+        if not _restored(self.frame.env, device):
+            raise CheckpointError(
+                f"ckptfx.remat: the replay of {name} drew random numbers on {device} "
+                f"({func}), whose generator the frame does not restore (it restores the "
+                "CPU's and those of the devices of the block's tensor arguments), and the "
+                "first call of this block with these argument shapes drew none there: the "
+                "replay cannot draw the same numbers. Pass always_record=True to "
+                "ckptfx.remat, or pass a tensor on that device to the block."
+            )
