@@ -312,6 +312,9 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     plan = plan_for(fun, options.policy, options.always_record, flat.fn, tensors, args, kwargs,
                     learnt)
     tracer: Tracer | None = None
+    pack: Callable[[torch.Tensor], Any]
+    unpack: Callable[[Any], torch.Tensor]
+    mode: Any
     if plan is not None and plan.unrecorded:  # ckptfx.rerun: a plain kernel frame
         pack, unpack, mode = frame.pack, unpack_hook, _NO_MODE
     else:
@@ -325,6 +328,8 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         else:
             tracer = Tracer(frame, tensors, options.policy, names)
         pack, unpack, mode = tracer.pack, residual_unpack_hook, tracer
+        if plan is not None:
+            pack = plan.recording_pack(tracer)
     if plan is not None:
         plan.start(frame)
     handles = collect(frame)

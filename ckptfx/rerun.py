@@ -88,7 +88,7 @@ class Plan:
     """What one remat call does under Rules 1-2: ``unrecorded`` or record (and, for the
     first call of a signature, learn)."""
 
-    __slots__ = ("cache", "key", "entry", "frames")
+    __slots__ = ("cache", "key", "entry", "frames", "ops_at_last_pack")
 
     def __init__(self, cache: dict[Any, Any], key: Any) -> None:
         if key not in cache and len(cache) >= _MAX_SIGNATURES:
@@ -97,6 +97,7 @@ class Plan:
         self.key = key
         self.entry = cache.get(key)
         self.frames = 0
+        self.ops_at_last_pack = 0  # ops recorded when the last tensor was packed (Rule 2)
 
     @property
     def unrecorded(self) -> bool:
@@ -114,6 +115,20 @@ class Plan:
                     outside.append((t, t._version))
             frame.rerun = _Rerun(outside)
 
+    def recording_pack(self, tracer: Any) -> Callable[[torch.Tensor], Any]:
+        """The pack hook of a recorded call: the tracer's, which a first call wraps to note
+        how many ops a re-run would have run when it stops (Rule 2)."""
+        inner = tracer.pack
+        if self.entry is not None:
+            return inner
+        ops = tracer.seg.ops
+
+        def pack(x: torch.Tensor) -> Any:
+            packed = inner(x)
+            self.ops_at_last_pack = len(ops)
+            return packed
+        return pack
+
     def finish(self, frame: Frame, tracer: Any) -> None:
         """The forward completed; ``tracer`` is its recorder (None if unrecorded)."""
         nested = tls.frames_made != self.frames
@@ -122,7 +137,8 @@ class Plan:
                 self.cache[self.key] = _RECORD
             return
         if self.entry is None:
-            self.cache[self.key] = _RECORD if nested else _learn(tracer, frame)
+            self.cache[self.key] = (_RECORD if nested
+                                    else _learn(tracer, frame, self.ops_at_last_pack))
 
 
 def plan_for(fun: Callable[..., Any], policy: Any, always_record: bool, flat_fn: Any,
@@ -138,15 +154,35 @@ def plan_for(fun: Callable[..., Any], policy: Any, always_record: bool, flat_fn:
     if cache is None:
         cache = per_function(fun, _by_function, _by_owner)
     key = flat_signature(tensors) if flat_fn is fun else signature(args, kwargs, tensors)
+    # A module's training flag often picks a branch (dropout, a generator of its own): the
+    # module the block is, or is a method of, is part of the signature.
+    owner = fun if isinstance(fun, torch.nn.Module) else getattr(fun, "__self__", None)
+    if owner is None and args and isinstance(args[0], torch.nn.Module):
+        owner = args[0]  # @remat on a method: called with self
+    if isinstance(owner, torch.nn.Module):
+        key = (owner.training, key)
     return Plan(cache, key)
 
 
-def _learn(tracer: Any, frame: Frame) -> Any:
+def _learn(tracer: Any, frame: Frame, ops_at_last_pack: int) -> Any:
     """Rule 2: the entry a first call's recording earns its signature."""
     seg = tracer.seg
     if (not seg.replayable or seg.subclass or seg.collectives or tracer.dist is not None
             or frame.env.generators):
         return _RECORD
+    # A re-run runs every op before its stop (all of them without early stop); the recorded
+    # replay only those the saved tensors need: unrecorded only where the re-run computes no
+    # more than that (bar views, which compute nothing: the weight's ``t`` a kept argument
+    # needs is run again).
+    holders = frame.holders
+    wanted = [sv for pos, sv in seg.targets.items() if holders[pos]() is not None]
+    needed = set(seg._plan(wanted, {}))
+    ran = ops_at_last_pack if frame.early_stop else len(seg.ops)
+    for i in range(ran):
+        if i not in needed:
+            info = op_info(seg.ops[i].func)
+            if not info.view or info.writes or info.seeded:
+                return _RECORD
     env = frame.env
     for keys in tracer.draw_keys.values():
         for key in keys:
