@@ -142,6 +142,15 @@ def run_session(e: Env, wrapped) -> tuple[list, list]:
     return det(outs), [*dx, *dw]
 
 
+def run_later_call(e: Env, wrapped) -> tuple[list, list]:
+    """A remat'd function's later call: a first forward + backward teaches it the block
+    (ckptfx.rerun: a block that keeps nothing runs unrecorded from then on), then the run
+    that counts (its block runs only)."""
+    run_autograd(e, wrapped)
+    e.calls = 0
+    return run_autograd(e, wrapped)
+
+
 def run_vjp_split(e: Env, wrapped) -> tuple[list, list]:
     e.reseed()
     with autocast(e.prog):
@@ -248,6 +257,9 @@ def build_variants() -> list[Variant]:
     V.append(Variant("remat(nothing_saveable, early_stop=False)",
                      lambda e: run_autograd(e, wrap_remat(e, "nothing_saveable", False)),
                      "autograd", torch_analog=_torch_ckpt(False, cp.nothing_saveable)))
+    V.append(Variant("remat(default), a later call",
+                     lambda e: run_later_call(e, wrap_remat(e, "default")),
+                     "autograd", torch_analog=_torch_ckpt(True, None)))
     V.append(Variant("checkpoint(remat(dots_saveable))",
                      lambda e: run_autograd(e, lambda p, x, i: ckptfx.checkpoint(
                          wrap_remat(e, "dots_saveable"), p, x, i)),
