@@ -12,7 +12,11 @@ remat   forward of a transformer block (d=64 / d=256): ``remat(nothing_saveable)
         torch's checkpoint, ``remat(dots_saveable)`` vs torch's selective checkpoint (SAC)
         saving the dots. Floor: torch's checkpoint forward under an empty
         TorchDispatchMode, the least any recorder of ATen ops costs (Python per op).
-        Targets: nothing <= 1.1x, dots <= 1.0x.
+        Targets: nothing <= 1.1x, dots <= 1.0x. nothing_saveable's calls after the first
+        run unrecorded (ckptfx.rerun); ``always_record=True`` is the recorded forward, for
+        comparison. Then a whole step (forward + backward) of the same variants: an
+        unrecorded call's replay re-runs the block under a dispatch mode (the explicit
+        generator watch), so the recording's cost moves to the backward rather than going.
 split   a split step over 6 small MLP blocks (d=64, hidden 256, batch 8): ckptfx sessions
         (prefire + dx + one dw call per parameter) vs no checkpointing (target <= 1.3x);
         ``vjp_split`` (prefire + dx + its weight pass) vs one fused backward without
@@ -123,6 +127,7 @@ def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
     block = Block(d)
     x = torch.randn(b, t, d, requires_grad=True)
     nothing = ckptfx.remat(block.forward, policy=cp.nothing_saveable)
+    recorded = ckptfx.remat(block.forward, policy=cp.nothing_saveable, always_record=True)
     dots = ckptfx.remat(block.forward, policy=cp.dots_saveable)
 
     def floor() -> Any:
@@ -134,6 +139,7 @@ def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
         "torch": lambda: checkpoint(block, x, use_reentrant=False),
         "floor": floor,
         "remat nothing": lambda: nothing(x),
+        "remat nothing recorded": lambda: recorded(x),
         "torch SAC dots": lambda: checkpoint(
             block, x, use_reentrant=False,
             context_fn=lambda: create_selective_checkpoint_contexts(_sac_dots)),
@@ -144,14 +150,31 @@ def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
     r_nothing = ratio(times, "remat nothing", "torch")
     r_dots = ratio(times, "remat dots", "torch SAC dots")
     r_floor = ratio(times, "floor", "torch")
+    r_recorded = ratio(times, "remat nothing recorded", "torch")
     print(f"remat forward, transformer block d={d} batch={b} seq={t} ({rounds}x{inner} calls): "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in med.items()))
     print(f"  nothing_saveable / torch checkpoint: {_fmt(r_nothing)}   (target <= 1.1)")
+    print(f"  nothing_saveable, always_record=True / torch checkpoint: {_fmt(r_recorded)}")
     print(f"  dots_saveable / torch SAC:           {_fmt(r_dots)}   (target <= 1.0)")
     print(f"  floor: torch checkpoint under an empty dispatch mode / torch checkpoint: "
           f"{_fmt(r_floor)}")
+    steps = rounds_of({k: _fwd_bwd(fns[k]) for k in
+                       ("torch", "remat nothing", "remat nothing recorded")}, rounds, inner)
+    s_nothing = ratio(steps, "remat nothing", "torch")
+    s_recorded = ratio(steps, "remat nothing recorded", "torch")
+    print(f"  step (forward + backward), nothing_saveable / torch checkpoint: {_fmt(s_nothing)}")
+    print(f"  step, nothing_saveable, always_record=True / torch checkpoint: {_fmt(s_recorded)}")
     return {f"remat{d}_nothing_vs_torch": r_nothing[0], f"remat{d}_dots_vs_sac": r_dots[0],
-            f"remat{d}_dispatch_floor_vs_torch": r_floor[0]}
+            f"remat{d}_dispatch_floor_vs_torch": r_floor[0],
+            f"remat{d}_recorded_nothing_vs_torch": r_recorded[0],
+            f"remat{d}_step_nothing_vs_torch": s_nothing[0],
+            f"remat{d}_step_recorded_nothing_vs_torch": s_recorded[0]}
+
+
+def _fwd_bwd(fn: Callable[[], Any]) -> Callable[[], None]:
+    def step() -> None:
+        fn().sum().backward()
+    return step
 
 
 def _split_backward(out: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
