@@ -2,8 +2,10 @@
 
     python benchmarks/bench_remat.py [--quick] [--repeats N]
 
-For each size and policy (nothing_saveable vs plain torch checkpoint; dots_saveable vs torch
-SAC saving mm/addmm/bmm/baddbmm), in one run, alternating the variants, medians of:
+For each size and policy (nothing_saveable vs plain torch checkpoint, twice: as it runs, its
+calls after the first unrecorded and replayed by re-running the block (ckptfx.rerun), and
+"recorded", every call recorded (always_record=True); dots_saveable vs torch SAC saving
+mm/addmm/bmm/baddbmm), in one run, alternating the variants, medians of:
   replay alone = one whole replay timed by itself (a saved tensor read outside backward);
   bwd - plain bwd = backward time minus the no-checkpoint backward time (noisier: includes
                  allocator effects of the rebuilt tensors);
@@ -66,6 +68,8 @@ def variants(block: Block) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         "plain": block,
         "torch:nothing": lambda x: checkpoint(block, x, use_reentrant=False),
         "ckptfx:nothing": ckptfx.remat(block.forward, policy=cp.nothing_saveable),
+        "ckptfx:recorded": ckptfx.remat(block.forward, policy=cp.nothing_saveable,
+                                        always_record=True),
         "torch:dots": lambda x: checkpoint(
             block, x, use_reentrant=False,
             context_fn=lambda: create_selective_checkpoint_contexts(sac_dots)),
@@ -188,8 +192,8 @@ def measure(b: int, t: int, d: int, repeats: int) -> None:
     torch_bytes, ckptfx_bytes = saved_bytes(block, x)
     print(f"dots     saved beyond the inputs: torch SAC {torch_bytes / 2**20:.2f} MiB, ckptfx "
           f"{ckptfx_bytes / 2**20:.2f} MiB (only the dot outputs the backward reads)")
-    for pol in ("nothing", "dots"):
-        tn, cn = f"torch:{pol}", f"ckptfx:{pol}"
+    for pol in ("nothing", "recorded", "dots"):
+        tn, cn = f"torch:{'nothing' if pol == 'recorded' else pol}", f"ckptfx:{pol}"
         print(f"{pol:8s} replay alone: torch {direct[tn]*1e3:7.2f} ms  ckptfx "
               f"{direct[cn]*1e3:7.2f} ms  ratio {direct[cn] / direct[tn]:5.2f}x  (target <= 0.8)")
         t_rep = med[tn][1] - base_bwd

@@ -201,14 +201,17 @@ def _tiny(t: torch.Tensor) -> torch.Tensor:
 
 def bench_forward_overhead(rounds: int, inner: int) -> dict[str, float]:
     """Median microseconds per forward call: plain, torch checkpoint, ckptfx checkpoint,
-    ckptfx remat (which also records the block's ops: one op here)."""
+    ckptfx remat (its calls after the first run unrecorded: ckptfx.rerun) and remat with
+    ``always_record=True`` (which records the block's ops: one op here)."""
     x = torch.randn(4, requires_grad=True)
     remat_tiny = ckptfx.remat(_tiny)
+    recorded_tiny = ckptfx.remat(_tiny, always_record=True)
     calls: dict[str, Callable[[], object]] = {
         "plain": lambda: _tiny(x),
         "torch": lambda: tcp.checkpoint(_tiny, x, use_reentrant=False),
         "ckptfx": lambda: ckptfx.checkpoint(_tiny, x),
         "remat": lambda: remat_tiny(x),
+        "recorded": lambda: recorded_tiny(x),
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
     for fn in calls.values():
@@ -268,7 +271,7 @@ def main() -> None:
     for k, us in ov.items():
         extra = "" if k == "plain" else f"   overhead {us - ov['plain']:6.1f} us"
         print(f"  {k:8s} {us:7.1f} us/call{extra}")
-    for k in ("ckptfx", "remat"):
+    for k in ("ckptfx", "remat", "recorded"):
         print(f"  {k} overhead / torch overhead: "
               f"{(ov[k] - ov['plain']) / (ov['torch'] - ov['plain']):.2f}")
 

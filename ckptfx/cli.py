@@ -106,8 +106,9 @@ def demo() -> None:
     rule("ckptfx demo: a transformer block with dropout, d=32, batch 2 x seq 16")
     table("forward + backward against plain autograd", ("variant", "function runs",
           "kept for backward", "bitwise equal"), rows, right=(1, 2))
-    note("(remat replays its recorded ops, so the Python function runs once; 'kept' is "
-         "saved_residuals' total)")
+    note("(remat replays the ops it recorded in this first call, so the Python function "
+         "runs once; later calls of a block that keeps nothing run unrecorded and re-run it, "
+         "as torch's checkpoint does; 'kept' is saved_residuals' total)")
 
     params = list(p.values())
     blocks = [lambda h: _block(p, h)]

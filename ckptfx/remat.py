@@ -4,7 +4,9 @@ Each call of a remat'd function is one kernel ``Frame`` (so collectors, prefire,
 ``grad_split`` and the GraphTask fallback work unchanged) whose forward runs under a
 ``Tracer`` (trace.py): the policy decides per op what the backward keeps, and the replay
 rebuilds only what was not kept, from the recorded ops, or by re-running the function when
-the recording cannot be shown faithful.
+the recording cannot be shown faithful. A block whose policy keeps nothing is recorded on
+its first call per signature only; later calls may run unrecorded, replayed by re-running
+the function (ckptfx.rerun; ``always_record=True`` records every call).
 
 Nesting rule (differs from JAX, where the outer policy wins): each remat'd block's own policy
 decides what that block keeps; an inner block's inputs are values of the outer block, kept
@@ -91,10 +93,10 @@ def remat(
             exact (no explicit ``torch.Generator``, no in-place writes to inputs, ...),
             later calls run as ``ckptfx.checkpoint`` runs (no dispatch mode in the
             forward: torch's checkpoint's speed) and their replay re-runs the block's
-            Python, checked as a checkpoint's is (see ``ckptfx.rerun``). Pass True where
-            the block's Python must not run in the backward, or where a later call may
-            draw from an explicit generator the first did not (its replay would raise a
-            ``CheckpointError``).
+            Python, checked as a checkpoint's is (the guide's "How remat replays"). Pass
+            True where the block's Python must not run in the backward, or where a later
+            call may draw from an explicit generator the first did not (its replay would
+            raise a ``CheckpointError``).
 
     Bad input is refused at once, with what to write instead: a policy passed where the
     function goes (``remat(cp.dots_saveable)``: write ``remat(policy=cp.dots_saveable)``)

@@ -38,8 +38,12 @@ Rules
       later calls with its signature are recorded again.
 5. What users see: the replay of an unrecorded call runs the block's Python once per
    replay, as torch's checkpoint does (a counter inside the block goes up), where a recorded
-   replay runs the recorded ATen ops only. Gradients are the same, bit for bit.
-   ``always_record=True`` keeps every call recorded.
+   replay runs the recorded ATen ops only. Gradients are the same, bit for bit. What the
+   re-run reads, it reads when it runs, as torch's checkpoint's does: Python state of the
+   block (a scale read from a config object) and a tensor only a later call reads (a branch
+   the first call did not take) must not change between forward and backward, which remat
+   asks of every block (a recorded replay happens to tolerate the first and check the
+   second). ``always_record=True`` keeps every call recorded.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from .budget import MemoryBudget
 from .frame import CheckpointError, Frame, Replay, rerun_function, tls
 from .segment import check_outside
 
-__all__ = ["Plan", "keeps_nothing", "plan_for"]
+__all__ = ["Plan", "keeps_nothing", "plan_for"]  # for remat.py
 
 # Caches of what first calls learnt (Rule 2): fun -> {signature: entry}, kept with the
 # function, or with the module a bound method or partial belongs to (_signature Rule 2).
