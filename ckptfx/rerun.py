@@ -19,9 +19,15 @@ Rules
    unrecorded if the recording is replayable (trace.py Rule 4: no writes to inputs or after
    a save, no tensor subclass, no autograd inside, ...), drew no random number that a re-run
    would draw differently (from an explicit ``torch.Generator``, or on a device whose
-   generator the frame does not capture), ran no collective and created no nested frame (a
-   re-run would create it again, which a recompute session refuses). Otherwise every call
-   with that signature is recorded.
+   generator the frame does not capture), ran no collective, created no nested frame (a
+   re-run would create it again, which a recompute session refuses), and ran no op before
+   its last save that the recorded replay would skip (bar views, which compute nothing): a
+   re-run runs every op up to its stop, so it then computes exactly what the recorded
+   replay computes (the same FLOPs; ops counted by name differ in views only). That last
+   condition also keeps recorded a block whose Python branches on a value it reads through
+   an op (``.item()``, ``bool(t)``): no saved tensor needs that read. Otherwise every call
+   with that signature is recorded (the signature includes the training flag of the module
+   the block is a method of).
 3. An unrecorded call is a frame as ``ckptfx.checkpoint`` makes one: the forward runs under
    the saved-tensor hooks only, with no dispatch mode; the replay re-runs the function
    under the kernel's deterministic early stop and its checks (frame.py Rules 5 and 6), with
