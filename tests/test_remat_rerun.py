@@ -82,6 +82,28 @@ def test_later_calls_run_unrecorded_and_match_plain_and_torch(policy: str, bf16:
             assert (recorded, runs) == ((True, 0) if call == 0 else (False, 1))
 
 
+def test_an_op_that_fills_the_buffer_it_saved_replays_exactly_when_unrecorded() -> None:
+    """rrelu saves its noise before drawing it: an unrecorded call's re-run lets it finish
+    (the kernel's early stop, frame.py Rule 6), where torch 2.13's stops before it."""
+    w = torch.randn(6, 6, requires_grad=True)
+    calls = {"n": 0}
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return F.rrelu(x @ w, training=True)
+
+    rematted = ckptfx.remat(block)
+    for seed in range(3):
+        x = torch.randn(4, 6, requires_grad=True)
+        torch.manual_seed(seed)
+        ref = torch.autograd.grad(block(x).sum(), [x, w])
+        torch.manual_seed(seed)
+        out = rematted(x)
+        before = calls["n"]
+        assert_bitwise(torch.autograd.grad(out.sum(), [x, w]), ref)
+        assert calls["n"] - before == (0 if seed == 0 else 1)
+
+
 def test_policies_that_keep_something_are_always_recorded() -> None:
     block = Block()
     rematted = ckptfx.remat(block.forward, policy=cp.dots_saveable)
@@ -325,7 +347,7 @@ def test_unrecorded_calls_leave_nothing_alive() -> None:
     rematted(x).sum().backward()
     with ckptfx.recompute_handle_collector_ctx() as handles:
         out = rematted(x)
-    frame = weakref.ref(handles[0]._frame())
+    frame = weakref.ref(handles[0].frame)
     weight = weakref.ref(block.lin1.weight)
     del out, handles
     gc.collect()
