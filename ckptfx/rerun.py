@@ -25,17 +25,25 @@ Rules
    re-run runs every op up to its stop, so it then computes exactly what the recorded
    replay computes (the same FLOPs; ops counted by name differ in views only). That last
    condition also keeps recorded a block whose Python branches on a value it reads through
-   an op (``.item()``, ``bool(t)``): no saved tensor needs that read. Otherwise every call
-   with that signature is recorded (the signature includes the training flag of the module
-   the block is a method of).
+   an op (``.item()``, ``bool(t)``): no saved tensor needs that read. Last, every tensor it
+   read from outside its arguments must live in a module the block belongs to (a
+   parameter, a buffer or a tensor attribute of the module it is a method of, or of a
+   module its closure holds; autocast's cached cast of such a parameter counts as the
+   parameter): a re-run reads it where it finds it when it runs, so a later call checks it
+   is still there (Rule 4a). A closure's or a global's tensor cannot be checked so. Otherwise
+   every call with that signature is recorded (the signature includes the training flag of
+   the module the block is a method of).
 3. An unrecorded call is a frame as ``ckptfx.checkpoint`` makes one: the forward runs under
    the saved-tensor hooks only, with no dispatch mode; the replay re-runs the function
    under the kernel's deterministic early stop and its checks (frame.py Rules 5 and 6), with
    the forward's RNG and autocast state.
 4. What a later call may do differently is caught in its replay, never passed on:
-   a. the tensors the first call read from outside its arguments (parameters, closures) are
-      checked not to have been modified in place since this call's forward, as a recorded
-      replay checks them (``segment.check_outside``);
+   a. the tensors the first call read from outside its arguments must still be where it
+      found them when a later call starts, else that call is recorded and its recording
+      decides anew (``torch.func.functional_call`` swaps parameters in for the call only: a
+      re-run in the backward would read the module's own, where torch's checkpoint's does);
+      and the replay checks that they were not modified in place since this call's
+      forward, as a recorded replay does (``segment.check_outside``);
    b. the re-run runs under a dispatch mode (``_DrawWatch``) that raises ``CheckpointError``
       at a draw from an explicit generator, or on a device whose generator state the frame
       did not capture: the forward drew from a state nobody kept, so the replay cannot draw
@@ -54,6 +62,7 @@ Rules
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -85,27 +94,54 @@ def keeps_nothing(policy: Any) -> bool:
 
 
 class _Unrecorded:
-    """Entry: calls with this signature run unrecorded; ``outside`` are weak references to
-    the tensors the first call read from outside its arguments (Rule 4a)."""
+    """Entry: calls with this signature run unrecorded. ``places`` say where the tensors the
+    first call read from outside its arguments live: (module, its ``_parameters`` or
+    ``_buffers`` or None for a plain attribute, name, tensor), all weakly (Rule 4a)."""
 
-    __slots__ = ("outside",)
+    __slots__ = ("places",)
 
-    def __init__(self, outside: Sequence[torch.Tensor]) -> None:
-        self.outside = tuple(weakref.ref(t) for t in outside)
+    def __init__(self, places: Sequence[tuple[torch.nn.Module, str | None, str, torch.Tensor]]
+                 ) -> None:
+        self.places = tuple((weakref.ref(m), store, name, weakref.ref(t))
+                            for m, store, name, t in places)
+
+    def current(self) -> list[tuple[torch.Tensor, int]] | None:
+        """Each outside tensor and its version now, or None if one is no longer where the
+        first call found it (a ``torch.func.functional_call`` swapped it in or out, the
+        attribute was reassigned): the re-run would read another tensor than this call."""
+        found = []
+        for mref, store, name, tref in self.places:
+            m, t = mref(), tref()
+            if m is None or t is None:
+                return None
+            now = (m.__dict__ if store is None else m.__dict__[store]).get(name)
+            if now is not t:
+                return None
+            found.append((t, t._version))
+        return found
 
 
 class Plan:
     """What one remat call does under Rules 1-2: ``unrecorded`` or record (and, for the
     first call of a signature, learn)."""
 
-    __slots__ = ("cache", "key", "entry", "frames", "ops_at_last_pack")
+    __slots__ = ("cache", "key", "entry", "fun", "owners", "outside", "frames",
+                 "ops_at_last_pack")
 
-    def __init__(self, cache: dict[Any, Any], key: Any) -> None:
+    def __init__(self, cache: dict[Any, Any], key: Any, fun: Callable[..., Any],
+                 owners: list[torch.nn.Module]) -> None:
         if key not in cache and len(cache) >= _MAX_SIGNATURES:
             cache.clear()
         self.cache = cache
         self.key = key
-        self.entry = cache.get(key)
+        self.fun = fun
+        self.owners = owners  # modules the block is part of (where its outside tensors live)
+        self.entry = entry = cache.get(key)
+        self.outside: list[tuple[torch.Tensor, int]] | None = None
+        if entry.__class__ is _Unrecorded:
+            self.outside = entry.current()
+            if self.outside is None:  # Rule 4a: the block would read other tensors now
+                self.entry = None  # recorded, and what it shows replaces the entry
         self.frames = 0
         self.ops_at_last_pack = 0  # ops recorded when the last tensor was packed (Rule 2)
 
@@ -116,14 +152,8 @@ class Plan:
     def start(self, frame: Frame) -> None:
         """The frame is made, the forward is about to run."""
         self.frames = tls.frames_made
-        entry = self.entry
-        if entry.__class__ is _Unrecorded:
-            outside = []
-            for ref in entry.outside:
-                t = ref()
-                if t is not None:
-                    outside.append((t, t._version))
-            frame.rerun = _Rerun(outside)
+        if self.entry.__class__ is _Unrecorded:
+            frame.rerun = _Rerun(self.outside or [])
 
     def recording_pack(self, tracer: Any) -> Callable[[torch.Tensor], Any]:
         """The pack hook of a recorded call: the tracer's, which a first call wraps to note
@@ -147,8 +177,8 @@ class Plan:
                 self.cache[self.key] = _RECORD
             return
         if self.entry is None:
-            self.cache[self.key] = (_RECORD if nested
-                                    else _learn(tracer, frame, self.ops_at_last_pack))
+            self.cache[self.key] = (_RECORD if nested else _learn(
+                tracer, frame, self.ops_at_last_pack, _modules_near(self.owners, self.fun)))
 
 
 def plan_for(fun: Callable[..., Any], policy: Any, always_record: bool, flat_fn: Any,
@@ -164,17 +194,92 @@ def plan_for(fun: Callable[..., Any], policy: Any, always_record: bool, flat_fn:
     if cache is None:
         cache = per_function(fun, _by_function, _by_owner)
     key = flat_signature(tensors) if flat_fn is fun else signature(args, kwargs, tensors)
-    # A module's training flag often picks a branch (dropout, a generator of its own): the
-    # module the block is, or is a method of, is part of the signature.
-    owner = fun if isinstance(fun, torch.nn.Module) else getattr(fun, "__self__", None)
-    if owner is None and args and isinstance(args[0], torch.nn.Module):
-        owner = args[0]  # @remat on a method: called with self
+    owners = _owners(fun, args)
+    if owners:
+        # A module's training flag often picks a branch (dropout, a generator of its own):
+        # that of the module the block is, or is a method of, is part of the signature.
+        key = (owners[0].training, key)
+    return Plan(cache, key, fun, owners)
+
+
+def _owners(fun: Callable[..., Any], args: tuple) -> list[torch.nn.Module]:
+    """The modules a block is a method of: ``fun`` itself, the module a bound method or a
+    partial is bound to, or the ``self`` a method decorated with ``@remat`` is called with."""
+    found: list[torch.nn.Module] = []
+    inner = fun
+    while isinstance(inner, functools.partial):
+        found.extend(a for a in inner.args if isinstance(a, torch.nn.Module))
+        inner = inner.func
+    if isinstance(inner, torch.nn.Module):
+        found.append(inner)
+    owner = getattr(inner, "__self__", None)
     if isinstance(owner, torch.nn.Module):
-        key = (owner.training, key)
-    return Plan(cache, key)
+        found.append(owner)
+    if not found and args and isinstance(args[0], torch.nn.Module):
+        found.append(args[0])
+    return found
 
 
-def _learn(tracer: Any, frame: Frame, ops_at_last_pack: int) -> Any:
+def _modules_near(owners: list[torch.nn.Module], fun: Callable[..., Any]
+                  ) -> list[torch.nn.Module]:
+    """``owners``, and the modules a plain function's closure holds (``lambda x: layer(x)``):
+    where a block's outside tensors may live (Rule 4a; asked at a first call only)."""
+    found = list(owners)
+    inner = fun
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    inner = getattr(inner, "__func__", inner)
+    for cell in getattr(inner, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.nn.Module):
+            found.append(value)
+    return found
+
+
+def _places(outside: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]
+            ) -> list[tuple[torch.nn.Module, str | None, str, torch.Tensor]] | None:
+    """Where each of ``outside`` lives below ``modules`` (a parameter, a buffer or a plain
+    tensor attribute of one of their submodules), or None if one lives elsewhere."""
+    if not outside:
+        return []
+    where: dict[int, tuple[torch.nn.Module, str | None, str]] = {}
+    for top in modules:
+        for m in top.modules():
+            for store in ("_parameters", "_buffers"):
+                for name, t in m.__dict__[store].items():
+                    if t is not None:
+                        where.setdefault(id(t), (m, store, name))
+            for name, t in m.__dict__.items():
+                if isinstance(t, torch.Tensor):
+                    where.setdefault(id(t), (m, None, name))
+    places = []
+    for t in outside:
+        source = _cast_source(t)  # autocast's cached cast of a parameter: that parameter
+        w = where.get(id(t if source is None else source))
+        if w is None:
+            return None
+        places.append((*w, t if source is None else source))
+    return places
+
+
+def _cast_source(t: torch.Tensor) -> torch.Tensor | None:
+    """The parameter ``t`` is autocast's cached cast of (a cast made before the block, in the
+    same autocast region), or None. A re-run casts that parameter again, or reads the same
+    cache: the same values, as long as the parameter is where it was and unchanged."""
+    node = t.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0":
+        return None
+    edges = node.next_functions
+    if len(edges) != 1 or edges[0][0] is None:
+        return None
+    return getattr(edges[0][0], "variable", None)
+
+
+def _learn(tracer: Any, frame: Frame, ops_at_last_pack: int,
+           modules: list[torch.nn.Module]) -> Any:
     """Rule 2: the entry a first call's recording earns its signature."""
     seg = tracer.seg
     if (not seg.replayable or seg.subclass or seg.collectives or tracer.dist is not None
@@ -198,7 +303,10 @@ def _learn(tracer: Any, frame: Frame, ops_at_last_pack: int) -> Any:
         for key in keys:
             if not (isinstance(key, tuple) and _restored(env, torch.device(key[1], key[2]))):
                 return _RECORD
-    return _Unrecorded([t for t, _ in seg.outside.values()])
+    # Rule 4a: a re-run reads outside tensors where it finds them when it runs; each must be
+    # found somewhere a later call can check (closures and globals cannot be).
+    places = _places([t for t, _ in seg.outside.values()], modules)
+    return _RECORD if places is None else _Unrecorded(places)
 
 
 def _restored(env: Any, device: torch.device) -> bool:

@@ -85,22 +85,22 @@ def test_later_calls_run_unrecorded_and_match_plain_and_torch(policy: str, bf16:
 def test_an_op_that_fills_the_buffer_it_saved_replays_exactly_when_unrecorded() -> None:
     """rrelu saves its noise before drawing it: an unrecorded call's re-run lets it finish
     (the kernel's early stop, frame.py Rule 6), where torch 2.13's stops before it."""
-    w = torch.randn(6, 6, requires_grad=True)
+    lin = nn.Linear(6, 6)
     calls = {"n": 0}
 
     def block(x: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
-        return F.rrelu(x @ w, training=True)
+        return F.rrelu(lin(x), training=True)
 
     rematted = ckptfx.remat(block)
     for seed in range(3):
         x = torch.randn(4, 6, requires_grad=True)
         torch.manual_seed(seed)
-        ref = torch.autograd.grad(block(x).sum(), [x, w])
+        ref = torch.autograd.grad(block(x).sum(), [x, lin.weight])
         torch.manual_seed(seed)
         out = rematted(x)
         before = calls["n"]
-        assert_bitwise(torch.autograd.grad(out.sum(), [x, w]), ref)
+        assert_bitwise(torch.autograd.grad(out.sum(), [x, lin.weight]), ref)
         assert calls["n"] - before == (0 if seed == 0 else 1)
 
 
@@ -134,10 +134,11 @@ def test_a_new_signature_or_training_flag_is_recorded_first() -> None:
 
 
 def _noisy(gen: torch.Generator, when: str):
-    w = torch.randn(6, 6, requires_grad=True)
+    lin = nn.Linear(6, 6, bias=False)
+    w = lin.weight
 
     def block(x: torch.Tensor) -> torch.Tensor:
-        h = x @ w
+        h = lin(x)
         # data-dependent: only a call whose input's first entry is positive draws. bool()
         # reads the value through an op (no saved tensor needs it: the block stays
         # recorded); tolist() reads it outside the dispatcher, unseen by any recording.
@@ -366,3 +367,71 @@ def test_only_generators_a_replay_restores_count_as_restored() -> None:
     assert not _restored(env, torch.device("cuda"))  # the current device: not known here
     assert not _restored(types.SimpleNamespace(cpu_rng=None, device_type=None, device_rng=[]),
                          torch.device("cpu"))
+
+
+def test_functional_call_with_new_parameters_each_call_stays_exact() -> None:
+    """Differential: under torch.func.functional_call a re-run in the backward would read the
+    module's own parameters, not the ones passed in (torch's checkpoint gives wrong
+    gradients here); remat sees that the first call's parameters are no longer the module's
+    and records the call."""
+
+    class Blk(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sin()
+
+    class Outer(nn.Module):
+        def __init__(self, wrap) -> None:
+            super().__init__()
+            self.blk = blk
+            self.wrap = wrap
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.wrap(self.blk, x)
+
+    torch.manual_seed(0)
+    blk = Blk()
+    rematted = ckptfx.remat(blk.forward)
+    x = torch.randn(3, 4, requires_grad=True)
+    remat_outer = Outer(lambda b, x: rematted(x))
+    torch_outer = Outer(lambda b, x: tcp.checkpoint(b, x, use_reentrant=False))
+    for call in range(3):
+        params = {f"blk.{k}": (v.detach() * (2 + call)).requires_grad_()
+                  for k, v in blk.named_parameters()}
+        leaves = [x, *params.values()]
+        ref = torch.autograd.grad(torch.sin(F.linear(x, *params.values())).sum(), leaves)
+        out = torch.func.functional_call(remat_outer, params, (x,))
+        assert_bitwise(torch.autograd.grad(out.sum(), leaves), ref)
+        out = torch.func.functional_call(torch_outer, params, (x,))
+        theirs = torch.autograd.grad(out.sum(), leaves)
+        assert not all(torch.equal(a, b) for a, b in zip(theirs, ref))
+
+
+def test_outside_tensors_that_no_module_holds_keep_the_block_recorded() -> None:
+    """A closure's tensor can be rebound between forward and backward unseen; a module's
+    parameter is checked where the first call found it (a closure over a module counts)."""
+    w = torch.randn(6, 6, requires_grad=True)
+    lin = nn.Linear(6, 6)
+    modes: list[int] = []
+
+    def closure_block(x: torch.Tensor) -> torch.Tensor:
+        modes.append(_modes())
+        return (x @ w).sin()
+
+    def module_block(x: torch.Tensor) -> torch.Tensor:
+        modes.append(_modes())
+        return lin(x).sin()
+
+    x = torch.randn(4, 6, requires_grad=True)
+    for block, want in ((closure_block, [True, True, True]),
+                        (module_block, [True, False, False])):
+        rematted = ckptfx.remat(block)
+        seen = []
+        for _ in range(3):
+            out = rematted(x)
+            seen.append(modes[-1] > 0)
+            out.sum().backward()
+        assert seen == want, block.__name__
