@@ -109,9 +109,10 @@ class _Unrecorded:
         """Each outside tensor and its version now, or None if one is no longer where the
         first call found it (a ``torch.func.functional_call`` swapped it in or out, the
         attribute was reassigned): the re-run would read another tensor than this call."""
-        found = []
+        found: list[tuple[torch.Tensor, int]] = []
         for mref, store, name, tref in self.places:
-            m, t = mref(), tref()
+            m: torch.nn.Module | None = mref()
+            t: torch.Tensor | None = tref()
             if m is None or t is None:
                 return None
             now = (m.__dict__ if store is None else m.__dict__[store]).get(name)
