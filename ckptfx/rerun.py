@@ -115,10 +115,10 @@ class _Unrecorded:
             t: torch.Tensor | None = tref()
             if m is None or t is None:
                 return None
+            found.append((t, t._version))
             now = (m.__dict__ if store is None else m.__dict__[store]).get(name)
             if now is not t:
                 return None
-            found.append((t, t._version))
         return found
 
 
