@@ -100,6 +100,15 @@ class _SplitKey:
 # -- the split --------------------------------------------------------------------------------
 
 
+def _check_fun(fun: Any, has_aux: Any, who: str) -> None:
+    """A ``TypeError`` naming ``who`` for a ``fun`` that is not callable or a ``has_aux``
+    that is not a bool (``grad_split`` checks them when made, before any call)."""
+    if not callable(fun):
+        raise TypeError(f"{who}: fun must be callable, got {type(fun).__name__}")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{who}: has_aux must be a bool, got {type(has_aux).__name__}")
+
+
 class _Split:
     """State of one split: the graph, the session, the captured gradients (see Rules)."""
 
@@ -114,10 +123,7 @@ class _Split:
         params: Any,
         who: str,
     ) -> None:
-        if not callable(fun):
-            raise TypeError(f"{who}: fun must be callable, got {type(fun).__name__}")
-        if not isinstance(has_aux, bool):
-            raise TypeError(f"{who}: has_aux must be a bool, got {type(has_aux).__name__}")
+        _check_fun(fun, has_aux, who)
         nums, self.x_single = _normalize_argnums(x_argnums, len(args))
         if session is None:
             session = _SplitKey()
@@ -501,10 +507,7 @@ def grad_split(
         (loss, dx) = dx_fn(params, x, session=0)
         grads = dw_fn(0)
     """
-    if not callable(fun):
-        raise TypeError(f"grad_split: fun must be callable, got {type(fun).__name__}")
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"grad_split: has_aux must be a bool, got {type(has_aux).__name__}")
+    _check_fun(fun, has_aux, "grad_split")
     if isinstance(x_argnums, int) and not isinstance(x_argnums, bool):
         pass
     elif not isinstance(x_argnums, (tuple, list)) or not all(
