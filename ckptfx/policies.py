@@ -65,6 +65,14 @@ from ._policy_protocol import (
     referenced_names,
 )
 
+# Pickles (``torch.save`` of a model whose blocks carry a policy) name the public path, so
+# that moving a class between the private modules never breaks a saved model.
+for _cls in (Offload, Policy, DotsSaveable, EverythingSaveable, NothingSaveable,
+             OffloadDotWithNoBatchDims, SaveAndOffloadOnlyTheseNames, SaveAnyNamesButThese,
+             SaveFromBothPolicies, SaveOnlyTheseNames):
+    _cls.__module__ = __name__
+del _cls
+
 __all__ = [
     "Offload",
     "Policy",
