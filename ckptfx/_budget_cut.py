@@ -366,24 +366,28 @@ class _Search:
             if not right:
                 return _Dual(Fraction(lo.w), lo, None)
             hi = right[0]
-        else:
-            if cut.cuts + 2 > self.max_cuts:
-                return None
-            least_w = cut.solve(cut.total_bytes + 1, 1, fix)
-            if least_w is None:
-                return _Dual(None, None, None)
-            self._offer(least_w, limit, best)
-            if least_w.nbytes <= limit:
-                return _Dual(Fraction(least_w.w), least_w, None)
-            least_bytes = cut.solve(1, cut.total_w + 1, fix)
-            if least_bytes is None or least_bytes.nbytes > limit:
-                return _Dual(None, None, None)
-            self._offer(least_bytes, limit, best)
-            lo, hi = least_bytes, least_w
+            return _Dual(hull_at([(lo.nbytes, lo.w), (hi.nbytes, hi.w)], limit), lo, hi)
+        if cut.cuts + 2 > self.max_cuts:
+            return None
+        least_w = cut.solve(cut.total_bytes + 1, 1, fix)
+        if least_w is None:
+            return _Dual(None, None, None)
+        self._offer(least_w, limit, best)
+        if least_w.nbytes <= limit:
+            return _Dual(Fraction(least_w.w), least_w, None)
+        least_bytes = cut.solve(1, cut.total_w + 1, fix)
+        if least_bytes is None or least_bytes.nbytes > limit:
+            return _Dual(None, None, None)
+        self._offer(least_bytes, limit, best)
+        lo, hi = least_bytes, least_w
+        bound = Fraction(hi.w)  # no cut of the subproblem costs less
         while cut.cuts < self.max_cuts:
-            a, b = hi.nbytes - lo.nbytes, lo.w - hi.w
+            a, b = hi.nbytes - lo.nbytes, lo.w - hi.w  # both > 0: lo fits, hi does not
             c = cut.solve(a, b, fix)
             assert c is not None  # lo and hi satisfy the fixing
+            # Weak duality: every cut within the limit costs at least this. Once c is on
+            # the segment lo-hi, it is the hull read at the limit, the dual's optimum.
+            bound = max(bound, Fraction(a * c.w + b * c.nbytes - b * limit, a))
             if a * c.w + b * c.nbytes >= a * lo.w + b * lo.nbytes:
                 break
             if c.nbytes <= limit:
@@ -391,8 +395,7 @@ class _Search:
                 self._offer(c, limit, best)
             else:
                 hi = c
-        d = Fraction(lo.w) + Fraction(hi.w - lo.w) * (limit - lo.nbytes) / (hi.nbytes - lo.nbytes)
-        return _Dual(d, lo, hi)
+        return _Dual(bound, lo, hi)
 
     def _offer(self, c: Cut, limit: int, best: list[int]) -> None:
         nbytes, w = self._w(c.keep)
