@@ -20,6 +20,7 @@ Rules (numbered with budget.py's, whose Rules 2 and 3 these implement)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -348,6 +349,12 @@ class _Model:
         nbytes = sum(self.nbytes.get(b, 0) for b in bases)
         p = self.memo[keep] = Point(keep, nbytes, flops, elems)
         return p
+
+    def fresh(self) -> "_Model":
+        """This model with nothing scored yet (to compare ways of proposing candidates)."""
+        model = copy.copy(self)
+        model.memo = {}
+        return model
 
     def greedy_add(self) -> None:
         """From nothing, add the op whose keep lowers the cost most per byte added."""
