@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["MAX_CUTS", "Cut", "CutModel", "Proof", "prove"]
 
 # Min cuts one block's planning may solve (Rule 4): a deterministic work limit, not a clock.
+# The hull's cuts (at most two per vertex) are always solved, and count towards it.
 MAX_CUTS = 3000
 
 _SRC, _SINK = 0, 1

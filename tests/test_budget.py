@@ -348,6 +348,10 @@ def test_a_stopped_solver_reports_a_bound(max_cuts: int, monkeypatch: pytest.Mon
     stopped = plan(block, x, monkeypatch, max_cuts=max_cuts)
     assert full.exact and full.units > budget.EXACT_UNITS and not stopped.exact
     assert stopped.proof is not None and stopped.proof.cuts <= max_cuts
+    budget._plans.pop(block)
+    again = plan(block, x, monkeypatch, max_cuts=max_cuts)  # work is counted, not timed
+    assert again.points == stopped.points and again.proof is not None
+    assert again.proof.bounds == stopped.proof.bounds
     prev = None
     texts = set()
     for f in FRACTIONS:
