@@ -15,17 +15,20 @@ Rules
 2. Bound. For every keep-set, the replay trace.py plans (its ops, what it keeps) satisfies
    the model's constraints and costs the model no more than ``_Model.score`` says, so the
    model's optimum at a byte budget is a lower bound on what any keep-set achieves there.
-   The model is *exact* (a cut's keep-set scores what the cut costs) when no random op
-   continues another's generator, no written storage has a view or alias, and every pack
-   follows its value's last writer; elsewhere it is a bound only, and a cut is just one
-   more candidate. Either way every candidate is scored by ``_Model.score``.
+   The model is *exact* (a cut's keep-set scores what the cut costs) when every random op
+   the replay may run only to continue another's generator reads, through values that cannot
+   be kept, nothing but packed values (the replay's frontier walk does not follow that
+   chain), no written storage has a view or alias, and every pack follows its value's last
+   writer; elsewhere it is a bound only, and a cut is just one more candidate. Either way
+   every candidate is scored by ``_Model.score``.
 
 3. For integers ``a, b >= 0``, ``a*W + b*bytes`` is minimised by an s-t min cut: source->op
-   costs ``a*W(op)`` (cut: the op is replayed), op->content ``b*bytes`` (cut: kept; infinite
-   for a version that is not final), content->reader, content->sink (packed) and
-   op->continuing random op are infinite. Integer capacities and Dinic's max flow keep it
-   exact and deterministic; the sink side is the minimal one. Breakpoint search over the
-   ratio ``b/a`` (Eisner and Severance) gives every vertex of the lower convex hull.
+   costs ``a*W(op)`` (cut: the op is replayed), op->content ``b*bytes`` (cut: kept),
+   content->reader and op->the random op continuing it are infinite. A packed content is
+   folded into its maker's edge to the sink (cut: kept), and one that cannot be kept ties its
+   readers to its maker. Integer capacities and Dinic's max flow keep it exact and
+   deterministic; the sink side is the minimal one. Breakpoint search over the ratio ``b/a``
+   (Eisner and Severance) gives every vertex of the lower convex hull.
 
 4. Proof. For a byte limit ``L``, the Lagrangian dual (the hull of a subproblem, read at
    ``L``) bounds the cost from below; branch and bound fixes the sides of nodes on which the

@@ -49,8 +49,6 @@ class Note:
     planned_now: bool
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class Point:
     """One scored keep-set: the ops whose outputs may be kept, the bytes kept beyond the
