@@ -22,11 +22,11 @@ Rules
 
 3. Candidates (``_budget_model.Frontier.from_recording``): nothing, everything,
    ``dots_saveable``'s set, two greedy chains, and what the solver proposes
-   (``_budget_cut``): the vertices of the lower convex hull of a min-cut model of the recording
-   (a relaxation of Rule 2, so it bounds every keep-set's cost from below), then,
+   (``_budget_cut``): the vertices of the lower convex hull of a min-cut model of the
+   recording (a relaxation of Rule 2, so it bounds every keep-set's FLOPs from below), then,
    for each interval between frontier points, a branch and bound that proves no keep-set
-   within the interval's bytes costs less than its point, or finds one. Work is counted in
-   min cuts, not timed; what the count leaves open keeps its proven lower bound, and
+   within the interval's bytes recomputes fewer FLOPs than its point, or finds one. Work is
+   counted in min cuts, not timed; what the count leaves open keeps its proven lower bound, and
    ``print_saved_residuals`` says which: "exact" or "within X FLOPs (Y%) of optimal".
    Blocks of at most ``EXACT_UNITS`` candidate ops with an unfinished proof have every
    subset scored. The frontier is sorted by bytes with strictly falling cost; a budget of
