@@ -64,6 +64,7 @@ from ._primals import (
 )
 # The weight groups live in _weight_groups; trim_session and weight_pass_nodes stay importable here.
 from ._weight_groups import Node, _Group, _plan, trim_session, weight_pass_nodes
+from . import _weight_calls as _wc
 from ._weight_pass import weight_pass
 from .frame import CheckpointError, tls
 from .session import (
@@ -281,11 +282,18 @@ class _Split:
             x_req = [t for t in self.x if t.requires_grad]
             x_nodes = {get_gradient_edge(t).node for t in x_req}
             self.w_edges = [get_gradient_edge(w) for w in self.weights]
-            self.groups = _plan(self.out_edges, x_nodes, [e.node for e in self.w_edges])
-            keep = weight_pass_nodes(
-                ((g.intermediates, [self.w_edges[i].node for i in g.weights]) for g in self.groups),
-                stop=x_nodes,
-            )
+            # Small blocks: dw as one plain weight backward (Rule 3, _weight_calls).
+            whole = self.dp is None and _wc.whole_backward_pays(
+                self.cotangents, x_req, self.weights)
+            if whole:
+                self.groups = [_wc.whole_backward_group(len(outputs), len(self.weights))]
+            else:
+                self.groups = _plan(self.out_edges, x_nodes, [e.node for e in self.w_edges])
+                keep = weight_pass_nodes(
+                    ((g.intermediates, [self.w_edges[i].node for i in g.weights])
+                     for g in self.groups),
+                    stop=x_nodes,
+                )
             hooks = []
             captured = self.captured
 
@@ -303,7 +311,7 @@ class _Split:
                     log: list = []
                     with recompute_session_ctx(self.key, retain_on_unpack=True):
                         act = tls.activation
-                        act.log = log
+                        act.log = None if whole else log
                         try:
                             grads = torch.autograd.grad(
                                 outputs, x_req, self.cotangents, retain_graph=True,
@@ -316,7 +324,7 @@ class _Split:
                             act.log = None
                     if self.session_obj is None and len(act.session.frames):
                         self.session_obj = act.session  # frames found lazily (no prefire)
-                    if _trim_enabled:
+                    if _trim_enabled and not whole:  # the whole pass reads every tensor
                         trim_session(act.session, log, keep)
                     log.clear()
             finally:
