@@ -223,13 +223,32 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
         for p in params:
             p.grad = None
 
+    def fused_and_forward() -> None:
+        plain(x)  # the compute of one replay, which any checkpointed step adds
+        fused()
+
+    def ckptfx_fused() -> None:
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            h = stack(x)
+        try:
+            for hd in handles:
+                ckptfx.recompute_handle(hd, "mb")
+            with ckptfx.recompute_session_ctx("mb"):
+                torch.autograd.grad(h, [x, *params], g)
+        finally:
+            ckptfx.clear_recompute_session("mb")
+
     fns = {"none": none, "ckptfx sessions": sessions, "vjp_split": vjp_split, "fused": fused,
-           "floor": torch_split_plain}
+           "floor": torch_split_plain, "fused + forward": fused_and_forward,
+           "ckptfx fused": ckptfx_fused}
     times = rounds_of(fns, rounds, inner)
     med = {k: statistics.median(v) for k, v in times.items()}
     r_sess = ratio(times, "ckptfx sessions", "none")
     r_vjp = ratio(times, "vjp_split", "fused")
     r_floor = ratio(times, "floor", "fused")
+    r_recompute = ratio(times, "fused + forward", "fused")
+    r_ck = ratio(times, "ckptfx fused", "fused")
+    r_vjp_ck = ratio(times, "vjp_split", "ckptfx fused")
     print(f"split step, {nblocks} MLP blocks d={d} hidden={hidden} batch={batch} "
           f"({rounds}x{inner} steps): " + ", ".join(f"{k} {v * 1e3:.3f} ms"
                                                    for k, v in med.items()))
@@ -237,8 +256,14 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
           "   (target <= 1.3)")
     print(f"  vjp_split step / fused step:          {_fmt(r_vjp)}   (target <= 1.5)")
     print(f"  floor: torch's split without checkpointing / fused: {_fmt(r_floor)}")
+    print(f"  floor: fused step + one more forward (a replay's compute) / fused: "
+          f"{_fmt(r_recompute)}")
+    print(f"  ckptfx checkpoint, prefire + one fused backward / fused: {_fmt(r_ck)}")
+    print(f"  vjp_split step / that checkpointed fused step: {_fmt(r_vjp_ck)}")
     return {"split_sessions_vs_none": r_sess[0], "split_vjp_vs_fused": r_vjp[0],
-            "split_torch_plain_vs_fused": r_floor[0]}
+            "split_torch_plain_vs_fused": r_floor[0],
+            "split_fused_plus_forward_vs_fused": r_recompute[0],
+            "split_ckptfx_fused_vs_fused": r_ck[0], "split_vjp_vs_ckptfx_fused": r_vjp_ck[0]}
 
 
 def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,

@@ -33,11 +33,11 @@ def weight_pass(
     key: Hashable,
     groups: list[_Group],
     captured: dict[Node, tuple[torch.Tensor | None, ...]],
-    out_edges: list[GradientEdge],
+    out_edges: list[GradientEdge | torch.Tensor],
     cotangents: list[torch.Tensor | None],
     weights: list[torch.Tensor],
     param_slots: list[int],
-    w_edges: list[GradientEdge],
+    w_edges: list[GradientEdge | torch.Tensor],
     dp: _distributed.DataParallel | None,
 ) -> list[torch.Tensor | None]:
     """Run the weight pass of one split; return the gradient of each weight (Rules 1, 2).
@@ -48,9 +48,9 @@ def weight_pass(
     """
     n = len(weights)
     wgrads: list[torch.Tensor | None] = [None] * n
-    work: list[tuple[_Group, list[GradientEdge], list[torch.Tensor | None]]] = []
+    work: list[tuple[_Group, list[GradientEdge | torch.Tensor], list[torch.Tensor | None]]] = []
     for g in groups:
-        edges: list[GradientEdge] = []
+        edges: list[GradientEdge | torch.Tensor] = []
         seeds: list[torch.Tensor | None] = []
         for node in g.intermediates:
             for i, grad in enumerate(captured.get(node, ())):
@@ -64,7 +64,7 @@ def weight_pass(
             work.append((g, edges, seeds))
     ddp = dp is not None and bool(dp.ddp)
 
-    def run_group(g: _Group, edges: list[GradientEdge],
+    def run_group(g: _Group, edges: list[GradientEdge | torch.Tensor],
                   seeds: list[torch.Tensor | None], last: bool) -> None:
         hooks = []
         try:

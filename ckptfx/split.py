@@ -188,9 +188,10 @@ class _Split:
         self.out = _detach_tree(out)
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         self.groups: list[_Group] = []
-        self.out_edges: list[GradientEdge] = []
+        # GradientEdges, or the tensors themselves for the whole weight pass (_weight_calls)
+        self.out_edges: list[GradientEdge | torch.Tensor] = []
         self.cotangents: list[torch.Tensor | None] = []
-        self.w_edges: list[GradientEdge] = []
+        self.w_edges: list[GradientEdge | torch.Tensor] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -278,16 +279,18 @@ class _Split:
             used = [i for i, c in enumerate(cots) if c is not None]
             self.cotangents = [cots[i] for i in used]
             outputs = [self.outputs[i] for i in used]
-            self.out_edges = [get_gradient_edge(o) for o in outputs]
             x_req = [t for t in self.x if t.requires_grad]
-            x_nodes = {get_gradient_edge(t).node for t in x_req}
-            self.w_edges = [get_gradient_edge(w) for w in self.weights]
-            # Small blocks: dw as one plain weight backward (Rule 3, _weight_calls).
+            # Small blocks: dw as one plain weight backward (Rule 3, _weight_calls). Its
+            # edges are the tensors themselves (autograd finds them in C++).
             whole = self.dp is None and _wc.whole_backward_pays(
                 self.cotangents, x_req, self.weights)
             if whole:
+                self.out_edges, self.w_edges = list(outputs), list(self.weights)
                 self.groups = [_wc.whole_backward_group(len(outputs), len(self.weights))]
             else:
+                self.out_edges = [get_gradient_edge(o) for o in outputs]
+                x_nodes = {get_gradient_edge(t).node for t in x_req}
+                self.w_edges = [get_gradient_edge(w) for w in self.weights]
                 self.groups = _plan(self.out_edges, x_nodes, [e.node for e in self.w_edges])
                 keep = weight_pass_nodes(
                     ((g.intermediates, [self.w_edges[i].node for i in g.weights])
@@ -312,6 +315,8 @@ class _Split:
                     with recompute_session_ctx(self.key, retain_on_unpack=True):
                         act = tls.activation
                         act.log = None if whole else log
+                        if _trim_enabled and not whole:
+                            act.drop_unless = keep
                         try:
                             grads = torch.autograd.grad(
                                 outputs, x_req, self.cotangents, retain_graph=True,
@@ -321,7 +326,7 @@ class _Split:
                             _compile.explain_donated_buffers(err, self.who)
                             raise
                         finally:
-                            act.log = None
+                            act.log = act.drop_unless = None
                     if self.session_obj is None and len(act.session.frames):
                         self.session_obj = act.session  # frames found lazily (no prefire)
                     if _trim_enabled and not whole:  # the whole pass reads every tensor
