@@ -8,7 +8,8 @@ Rules
    so it executes only weight-gradient ops. dx + dw do the work of one fused backward (shared
    weights used by several intermediates are the exception: their group re-runs the input ops
    between those intermediates, as torch's split does). The groups are
-   ``ckptfx._weight_groups``'s.
+   ``ckptfx._weight_groups``'s; where blocks are small there is one group rooted at the
+   outputs with their cotangents, for every weight (``ckptfx._weight_calls``).
 
 2. The gradients of the ``params=`` tensors are accumulated into ``.grad`` as ``backward()``
    would, never aliasing a caller's tensor; under DDP the reducer writes ``.grad``
@@ -17,7 +18,7 @@ Rules
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Any, Hashable, cast
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -80,8 +81,9 @@ def weight_pass(
                     weights, param_slots, w_edges, g.weights,
                     edges, seeds, last)
             else:
+                # (edges are all GradientEdges, or all tensors for the whole pass)
                 res = torch.autograd.grad(
-                    edges, [w_edges[i] for i in g.weights], seeds,
+                    cast(Any, edges), cast(Any, [w_edges[i] for i in g.weights]), seeds,
                     retain_graph=not last, allow_unused=True,
                 )
         finally:

@@ -19,11 +19,19 @@ Rules
 3. dw runs the weight pass (``ckptfx._weight_pass``): one ``autograd.grad`` per parameter
    group (``ckptfx._weight_groups``), rooted at the intermediates with the captured gradients,
    so it executes only weight-gradient ops; dx + dw do the work of one fused backward.
+   Where blocks are small (a rule on shapes, ``ckptfx._weight_calls``) the per-call cost
+   outweighs that: dx is then a plain input backward (no groups, no capture hooks) and dw one
+   plain weight backward from the outputs, which recomputes the input-path gradients that
+   lead to weights; the gradients are the same bit for bit either way. Never under DDP or
+   FSDP2.
 
-4. Between dx and dw the session keeps only the replayed tensors dw will read: during dx the
-   unpack hook logs which autograd node read each replayed tensor, and when dx ends the tensors
-   read only by nodes dw will not execute (activation outputs, softmax probabilities, dropout
-   masks) are dropped from the session's replay (``ckptfx._weight_groups``, Rule 2 there).
+4. Between dx and dw the session keeps only the replayed tensors dw will read (per-group pass;
+   the whole pass reads them all): during dx the unpack hook drops a replayed tensor at its
+   read by a torch node that dw will not execute (activation outputs, softmax probabilities,
+   dropout masks), as a fused backward frees it, and logs the other reads; when dx ends the
+   logged tensors read only by such nodes (a custom Function's, which may read its saved
+   tensors twice) are dropped from the session's replay too (``ckptfx._weight_groups``, Rule
+   2 there).
 
 5. dw is the last consumer: in a ``finally`` it clears the session and drops the captured
    gradients, hooks and graph, also when it raises. A dx that fails after its arguments were
@@ -288,13 +296,14 @@ class _Split:
                 self.out_edges, self.w_edges = list(outputs), list(self.weights)
                 self.groups = [_wc.whole_backward_group(len(outputs), len(self.weights))]
             else:
-                self.out_edges = [get_gradient_edge(o) for o in outputs]
+                out_edges = [get_gradient_edge(o) for o in outputs]
                 x_nodes = {get_gradient_edge(t).node for t in x_req}
-                self.w_edges = [get_gradient_edge(w) for w in self.weights]
-                self.groups = _plan(self.out_edges, x_nodes, [e.node for e in self.w_edges])
+                w_edges = [get_gradient_edge(w) for w in self.weights]
+                w_nodes = [e.node for e in w_edges]
+                self.out_edges, self.w_edges = list(out_edges), list(w_edges)
+                self.groups = _plan(out_edges, x_nodes, w_nodes)
                 keep = weight_pass_nodes(
-                    ((g.intermediates, [self.w_edges[i].node for i in g.weights])
-                     for g in self.groups),
+                    ((g.intermediates, [w_nodes[i] for i in g.weights]) for g in self.groups),
                     stop=x_nodes,
                 )
             hooks = []
@@ -470,7 +479,12 @@ def vjp_split(
 
     Every ``ckptfx.checkpoint`` / ``remat`` block inside ``fun`` runs twice in all (forward and
     one replay), and dx + dw do the work of one fused backward. Between dx and dw the session
-    holds only the replayed tensors dw reads (``ckptfx.recompute_session_stats()``).
+    holds only the replayed tensors dw reads (``ckptfx.recompute_session_stats()``). Where
+    the blocks are small (a rule on shapes, ``ckptfx._weight_calls``; never under DDP or
+    FSDP2) dw is instead one plain weight backward from the outputs, cheaper there than a
+    call per weight group: it recomputes the input-path gradients that lead to weights (a
+    custom Function or tensor hook there runs in dx and again in dw) and the session holds
+    every replayed tensor until dw. The gradients are the same, bit for bit.
 
     Example::
 
