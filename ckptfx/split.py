@@ -92,6 +92,8 @@ _inflight: "weakref.WeakValueDictionary[Hashable, _Split]" = weakref.WeakValueDi
 _key_counter = itertools.count()
 # Rule 4 on/off; benchmarks turn it off to measure what trimming saves.
 _trim_enabled = True
+# Rule 4's drop at the read (else only when dx ends); benchmarks measure what it saves.
+_early_drop_enabled = True
 
 
 class _SplitKey:
@@ -324,7 +326,7 @@ class _Split:
                     with recompute_session_ctx(self.key, retain_on_unpack=True):
                         act = tls.activation
                         act.log = None if whole else log
-                        if _trim_enabled and not whole:
+                        if _trim_enabled and _early_drop_enabled and not whole:
                             act.drop_unless = keep
                         try:
                             grads = torch.autograd.grad(
