@@ -20,7 +20,8 @@ split   a split step over 6 small MLP blocks (d=64, hidden 256, batch 8): ckptfx
         stage_backward_weight) over the same blocks without checkpointing, the autograd
         calls a per-group weight pass makes at the least; a fused step plus one more
         forward, the compute that any step replaying each block once adds. Also: ckptfx's
-        checkpoint with prefire and one fused backward, and vjp_split against it.
+        checkpoint with prefire and one fused backward, vjp_split against it, and
+        vjp_split forced to its per-group weight pass (what the rule's choice saves).
 vjp256  dx + dw of ``vjp_split`` vs one fused backward over 6 checkpointed transformer
         blocks (d=256, batch 8, seq 128; target <= 1.05x). Floor: torch's split against a
         fused backward, both without checkpointing (dw reads each activation a second time,
@@ -45,6 +46,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 import ckptfx
+import ckptfx._weight_calls as weight_calls
 import ckptfx.split as cx_split
 from ckptfx import checkpoint_policies as cp
 
@@ -216,6 +218,14 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
         for p in params:
             p.grad = None
 
+    def vjp_split_per_group() -> None:
+        # the per-group weight pass, which the rule leaves for larger blocks (_weight_calls)
+        weight_calls._force = "per_group"
+        try:
+            vjp_split()
+        finally:
+            weight_calls._force = None
+
     def fused() -> None:
         torch.autograd.grad(plain(x), [x, *params], g)
 
@@ -242,7 +252,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
         finally:
             ckptfx.clear_recompute_session("mb")
 
-    fns = {"none": none, "ckptfx sessions": sessions, "vjp_split": vjp_split, "fused": fused,
+    fns = {"none": none, "ckptfx sessions": sessions, "vjp_split": vjp_split,
+           "vjp_split per group": vjp_split_per_group, "fused": fused,
            "floor": torch_split_plain, "fused + forward": fused_and_forward,
            "ckptfx fused": ckptfx_fused}
     times = rounds_of(fns, rounds, inner)
@@ -253,6 +264,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
     r_recompute = ratio(times, "fused + forward", "fused")
     r_ck = ratio(times, "ckptfx fused", "fused")
     r_vjp_ck = ratio(times, "vjp_split", "ckptfx fused")
+    r_pg = ratio(times, "vjp_split per group", "fused")
+    r_whole = ratio(times, "vjp_split", "vjp_split per group")
     print(f"split step, {nblocks} MLP blocks d={d} hidden={hidden} batch={batch} "
           f"({rounds}x{inner} steps): " + ", ".join(f"{k} {v * 1e3:.3f} ms"
                                                    for k, v in med.items()))
@@ -264,10 +277,13 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
           f"{_fmt(r_recompute)}")
     print(f"  ckptfx checkpoint, prefire + one fused backward / fused: {_fmt(r_ck)}")
     print(f"  vjp_split step / that checkpointed fused step: {_fmt(r_vjp_ck)}")
+    print(f"  vjp_split with the per-group weight pass / fused: {_fmt(r_pg)}; the rule's "
+          f"pass / per-group: {_fmt(r_whole)}")
     return {"split_sessions_vs_none": r_sess[0], "split_vjp_vs_fused": r_vjp[0],
             "split_torch_plain_vs_fused": r_floor[0],
             "split_fused_plus_forward_vs_fused": r_recompute[0],
-            "split_ckptfx_fused_vs_fused": r_ck[0], "split_vjp_vs_ckptfx_fused": r_vjp_ck[0]}
+            "split_ckptfx_fused_vs_fused": r_ck[0], "split_vjp_vs_ckptfx_fused": r_vjp_ck[0],
+            "split_vjp_per_group_vs_fused": r_pg[0], "split_vjp_vs_per_group": r_whole[0]}
 
 
 def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
