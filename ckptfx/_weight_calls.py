@@ -39,10 +39,12 @@ from ._weight_groups import _Group
 __all__ = ["ENGINE_CALL_FLOPS", "whole_backward_group", "whole_backward_pays"]
 
 # Estimated weight-gradient FLOPs per weight below which recomputing the input path in dw
-# costs less than the per-group pass's calls. Measured with /tmp-style A/B runs of 6 MLP
-# blocks (benchmarks/bench_overhead.py's): dx + dw 0.79x at ~130k FLOPs per weight (d=64,
-# batch 8), 0.88x at ~530k (batch 32) but 1.07x at ~530k (d=128), 1.47x at 2.1M (d=256).
-# A fixed number: the choice must not depend on timing.
+# costs less than the per-group pass's calls. Measured on 6 MLP blocks (bench_overhead.py's,
+# hidden = 4 d), the two passes forced and alternated in one process, dx + dw of the whole
+# pass against the per-group one: 0.79x at ~130k FLOPs per weight (d=64, batch 8), 0.88x at
+# ~530k (batch 32) but 1.07x at ~530k (d=128), 1.47x at 2.1M (d=256); the whole step at
+# d=64: 0.90x (``bench_overhead.py --only split``). A fixed number: the choice must not
+# depend on timing.
 ENGINE_CALL_FLOPS = 300_000
 
 # Tests and benchmarks force a pass: None (the rule), "per_group" or "whole".
