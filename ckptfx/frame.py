@@ -321,7 +321,7 @@ class Frame:
                 replay = self.replay(act.session, scheduled=True)
             t = _take(replay, holder.index, act.retain, act)
             if act.retain and act.log is not None:
-                act.log.append((holder, _compat.current_autograd_node()))
+                _note_read(act, replay, holder)
             return t
         key = _compat.get_graph_exec_group()
         if key is None:
@@ -338,6 +338,33 @@ class Frame:
         return f"<ckptfx Frame of {name}: {len(self.holders)} saved tensors>"
 
 
+class _ReadsOnce(dict):
+    """node class -> whether its nodes unpack each saved tensor once per call: torch's own
+    (C++) nodes do; a custom Function's backward may read ``ctx.saved_tensors`` twice.
+    Filled on first sight, so the hot path pays a dict lookup."""
+
+    def __missing__(self, cls: type) -> bool:
+        once = cls is not type(None) and not issubclass(
+            cls, torch.autograd.function.BackwardCFunction)
+        self[cls] = once
+        return once
+
+
+_reads_once = _ReadsOnce()
+
+
+def _note_read(act: Any, replay: Replay, holder: Holder) -> None:
+    """A retaining dx pass read ``holder``'s tensor: log the reading node for the split's
+    trim, or, when that node is one the weight pass will not execute (``act.drop_unless``)
+    and reads it only this once, drop the tensor now, as a fused backward frees it."""
+    node = _compat.current_autograd_node()
+    keep = act.drop_unless
+    if keep is not None and node not in keep and _reads_once[node.__class__]:
+        replay[holder.index] = None
+    else:
+        act.log.append((holder, node))
+
+
 def unpack_hook(holder: Holder) -> torch.Tensor:
     """The saved-tensor unpack hook of every frame: the hot path (Rule 4)."""
     frame = holder.frame
@@ -350,7 +377,7 @@ def unpack_hook(holder: Holder) -> torch.Tensor:
                 if not act.retain:
                     replay[holder.index] = None
                 elif act.log is not None:
-                    act.log.append((holder, _compat.current_autograd_node()))
+                    _note_read(act, replay, holder)
                 return t
     else:
         key = _compat.get_graph_exec_group()
