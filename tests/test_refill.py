@@ -159,9 +159,8 @@ def held_after_forward(stack: nn.ModuleList, variant: str, autocast: bool) -> in
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 def test_refill_saves_exactly_the_block_outputs(autocast: bool) -> None:
     stack = make_stack()
-    held = {v: held_after_forward(stack, v, autocast) for v in ("torch", "ckptfx", "refill",
-                                                                 "remat")}
-    assert held["ckptfx"] == held["torch"]
+    # (ckptfx's checkpoint holds what torch's holds, to the byte: test_block_output.py)
+    held = {v: held_after_forward(stack, v, autocast) for v in ("ckptfx", "refill", "remat")}
     # Per layer, the outputs the next op saves as they are: both norms' (saved by q, k, v and
     # fc1), the attention core's (by o) and the gelu's (by fc2). Under bf16 autocast the
     # linears after a norm save a bf16 copy of its float32 output, as without the context:
@@ -389,3 +388,46 @@ def test_a_replay_with_other_outputs_is_refused() -> None:
         out = lin(ckptfx.checkpoint(block, x)).sum()
     with pytest.raises(ckptfx.CheckpointError, match="output 0 of the replayed block"):
         out.backward()
+
+
+def test_remat_block_that_must_rerun_its_function() -> None:
+    calls = [0]
+    _, lin = _block_pair(calls)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        with torch.enable_grad():  # autograd inside: the recording is not replayed op by op
+            t = x.detach().requires_grad_()
+            (g,) = torch.autograd.grad(t.sin().sum(), t)
+        return torch.tanh(x) * g
+
+    x = torch.randn(S, D, requires_grad=True)
+    expected = torch.autograd.grad(lin(block(x)).sum(), (x, lin.weight))
+    runs = []
+    for refill in (False, True):
+        calls[0] = 0
+        with ckptfx.refill_outputs() if refill else maybe_autocast(False):
+            with ckptfx.recompute_handle_collector_ctx() as handles:
+                out = lin(ckptfx.remat(block)(x)).sum()
+        assert (handles[0].frame.refill is not None) == refill
+        assert_bitwise(torch.autograd.grad(out, (x, lin.weight)), expected)
+        runs.append(calls[0])
+    assert runs[1] == runs[0]  # one re-run in the backward, which also gave the output
+
+
+def test_session_stats_count_the_refilled_outputs() -> None:
+    x = torch.randn(S, D, requires_grad=True)
+    held = []
+    for refill in (False, True):
+        block, lin = _block_pair([0])
+        with ckptfx.refill_outputs() if refill else maybe_autocast(False):
+            with ckptfx.recompute_handle_collector_ctx() as handles:
+                out = lin(ckptfx.checkpoint(block, x)).sum()
+        try:
+            ckptfx.recompute_handle(handles[0], "stats")
+            held.append(ckptfx.recompute_session_stats()["stats"].nbytes)
+            with ckptfx.recompute_session_ctx("stats"):
+                out.backward()
+        finally:
+            ckptfx.clear_recompute_session("stats")
+    assert held[1] - held[0] == S * D * 4  # the block's output, refilled by the prefire
