@@ -431,3 +431,19 @@ def test_session_stats_count_the_refilled_outputs() -> None:
         finally:
             ckptfx.clear_recompute_session("stats")
     assert held[1] - held[0] == S * D * 4  # the block's output, refilled by the prefire
+
+
+def test_a_transposed_view_of_the_output_is_refilled() -> None:
+    calls = [0]
+    block, _ = _block_pair(calls)
+    x = torch.randn(S, D, requires_grad=True)
+    w = torch.randn(S, D, requires_grad=True)
+    expected = torch.autograd.grad((block(x).t() @ w).sum(), (x, w))
+    calls[0] = 0
+    with ckptfx.refill_outputs():
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            out = (ckptfx.checkpoint(block, x).t() @ w).sum()  # mm saves the view y.t()
+    state = handles[0].frame.refill
+    assert [h().view is not None for h in state.handles] == [True]
+    assert_bitwise(torch.autograd.grad(out, (x, w)), expected)
+    assert calls[0] == 2
