@@ -208,10 +208,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{' bf16 autocast' if args.bf16 else ' fp32'}; checkpointed: both LayerNorms, "
           "the attention core, the gelu")
     elem = 2 if args.bf16 else 4
-    tokens = args.batch * args.seq
-    # the checkpointed blocks' outputs per layer (norm outputs stay float32 under autocast)
-    outputs = args.layers * tokens * args.d * (2 * 4 + elem + 4 * elem)
-    print(f"  checkpointed blocks' outputs: {outputs / MIB:.1f} MiB")
+    elements = args.batch * args.seq * args.d * args.layers  # one d-wide activation, all layers
+    # The blocks' outputs that the next op saves as they are: under autocast the linears
+    # after a norm save a bf16 copy of its float32 output instead (held with or without the
+    # context); the attention core's and the gelu's bf16 outputs are saved as they are.
+    saved_as_is = elements * (elem + 4 * elem + (0 if args.bf16 else 2 * 4))
+    print(f"  checkpointed blocks' outputs the next ops save as they are: "
+          f"{saved_as_is / MIB:.1f} MiB")
     res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in VARIANTS:
