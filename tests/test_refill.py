@@ -447,3 +447,18 @@ def test_a_transposed_view_of_the_output_is_refilled() -> None:
     assert [h().view is not None for h in state.handles] == [True]
     assert_bitwise(torch.autograd.grad(out, (x, w)), expected)
     assert calls[0] == 2
+
+
+def test_a_forward_that_raises_leaves_nothing_pushed() -> None:
+    block, lin = _block_pair([0])
+    x = torch.randn(S, D, requires_grad=True)
+    with pytest.raises(ZeroDivisionError):
+        with ckptfx.refill_outputs():
+            lin(ckptfx.checkpoint(block, x))
+            raise ZeroDivisionError
+    # (the module's fixture checks the hooks stack); nested contexts are inert inside
+    with ckptfx.refill_outputs(), ckptfx.refill_outputs():
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            out = lin(ckptfx.checkpoint(block, x)).sum()
+    assert len(handles[0].frame.refill.handles) == 1
+    out.backward()
