@@ -10,6 +10,7 @@ Rules
    only where it is entered with no saved-tensor hooks on top: entered inside a checkpointed
    block's forward or replay, inside torch's checkpoint, ``save_on_cpu`` or another
    ``refill_outputs``, it pushes nothing and changes nothing (what is outside it decides).
+   Under a ``torch.func`` transform, which refuses saved-tensor hooks, it is inert too.
 
 2. At the end of a forward under the context (its hooks on top), a ``checkpoint`` or
    ``remat`` frame registers its tensor outputs in the context's map, by identity, with the
@@ -396,8 +397,9 @@ def refill_outputs() -> Iterator[None]:
       block that saved nothing, stay as they are.
     - Where it does nothing: entered while other saved-tensor hooks are active (inside a
       checkpointed block, ``torch.autograd.graph.save_on_cpu``, another ``refill_outputs``),
-      it leaves them in charge. ``torch.func`` transforms refuse saved-tensor hooks, so do
-      not call them inside it (``remat`` blocks that use them internally are fine).
+      it leaves them in charge; under a ``torch.func`` transform (which refuses
+      saved-tensor hooks) it does nothing either. A ``torch.func`` transform called inside
+      it refuses its hooks, as it refuses any (``remat`` blocks that use one are fine).
 
     Example::
 
@@ -411,7 +413,8 @@ def refill_outputs() -> Iterator[None]:
             loss = model(x).sum()                 # no norm output held from here ...
         loss.backward()                           # ... until its replay refills it
     """
-    if _compat.top_saved_tensors_pack_hook() is not None:  # Rule 1
+    if _compat.top_saved_tensors_pack_hook() is not None or _compat.functorch_level():
+        # Rule 1: other hooks decide here; torch.func transforms refuse saved-tensor hooks
         yield
         return
     scope = _Scope()

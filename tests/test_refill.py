@@ -462,3 +462,15 @@ def test_a_forward_that_raises_leaves_nothing_pushed() -> None:
             out = lin(ckptfx.checkpoint(block, x)).sum()
     assert len(handles[0].frame.refill.handles) == 1
     out.backward()
+
+
+def test_under_a_torch_func_transform_it_is_inert() -> None:
+    block, lin = _block_pair([0])
+    x = torch.randn(S, D)
+
+    def loss(x: torch.Tensor, refill: bool) -> torch.Tensor:
+        with ckptfx.refill_outputs() if refill else maybe_autocast(False):
+            return lin(ckptfx.remat(block)(x)).sum()
+
+    expected = torch.func.grad(loss)(x, False)
+    assert torch.equal(torch.func.grad(loss)(x, True), expected)
