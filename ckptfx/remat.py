@@ -33,6 +33,7 @@ from .policies import (
     name_check,
     positional_policy_message,
 )
+from .refill import plain_saves, scope_on_top
 from .session import collect, uncollect
 from .trace import Tracer, reporting, residual_unpack_hook
 
@@ -287,7 +288,9 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     if _compat.functorch_level() > 0:
         return flat.function_path(options.policy)
     tensors = flat.tensors
-    frame = Frame(flat.fn, tuple(tensors), {}, early_stop=options.early_stop)
+    refill = scope_on_top()  # a ckptfx.refill_outputs() context around this block, if any
+    with plain_saves(refill):
+        frame = Frame(flat.fn, tuple(tensors), {}, early_stop=options.early_stop)
     names = None
     if reporting():
         _, _, _, _, dyn_args, dyn_kwargs = flat.pytree()
@@ -320,6 +323,8 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         _compat.pop_saved_tensors_hooks()
     frame.forward_finished()
     tracer.finish()
+    if refill is not None:
+        refill.register(frame, out, tensors, tracer)
     return out
 
 

@@ -480,6 +480,12 @@ def recompute_session_stats() -> dict[Hashable, SessionStats]:
                         tensors += 1
                         st = t.untyped_storage()
                         storages[st.data_ptr()] = st.nbytes()
+                # A refill replay (frame.py Rule 7b) also holds the block's outputs.
+                for t in getattr(replay, "outs", ()):
+                    if hasattr(t, "untyped_storage"):
+                        tensors += 1
+                        st = t.untyped_storage()
+                        storages[st.data_ptr()] = st.nbytes()
             out[session_id] = SessionStats(
                 session_id, len(frames), replayed, tensors, sum(storages.values())
             )
