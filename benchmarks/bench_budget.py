@@ -12,6 +12,10 @@ step's start over forward + backward (``VmHWM``), the step time, and the backwar
 order alternates between repeats. Peaks are measured, not estimated: torch's compile-time
 budget is known to give a peak that is not monotone in the budget (pytorch #197838).
 
+It also times the planning of one block (``Frontier.from_recording``: scoring, the
+min-cut hull and the branch and bound that proves the choice, ckptfx/_budget_cut.py) and
+prints what was proved: the median over fresh blocks, in this process.
+
 Usage::
 
     python benchmarks/bench_budget.py            # d=256, seq 128, batch 8, 4 blocks
@@ -135,6 +139,42 @@ def run(quick: bool = False, d: int = 256, seq: int = 128, batch: int = 8, block
             for v in VARIANTS]
 
 
+def planning(d: int, seq: int, batch: int, repeats: int = 5) -> dict[str, Any]:
+    """Planning one ``Block``: median seconds of ``Frontier.from_recording`` over fresh
+    blocks, and what it proved (candidate ops, cuts, whether every choice is exact)."""
+    import torch
+
+    import ckptfx
+    from ckptfx import budget
+    from ckptfx import checkpoint_policies as cp
+    from bench_split import Block
+
+    torch.set_num_threads(1)
+    real = budget.Frontier.from_recording.__func__  # type: ignore[attr-defined]
+    times: list[float] = []
+    frontiers: list[Any] = []
+
+    def timed(cls: Any, tracer: Any) -> Any:
+        t0 = time.perf_counter()
+        frontier = real(cls, tracer)
+        times.append(time.perf_counter() - t0)
+        frontiers.append(frontier)
+        return frontier
+
+    budget.Frontier.from_recording = classmethod(timed)  # type: ignore[method-assign]
+    try:
+        for _ in range(repeats):
+            block = Block(d)
+            x = torch.randn(batch, seq, d, requires_grad=True)
+            ckptfx.remat(block.forward, policy=cp.memory_budget(0.5))(x).sum().backward()
+    finally:
+        budget.Frontier.from_recording = classmethod(real)  # type: ignore[method-assign]
+    f = frontiers[-1]
+    return {"seconds": statistics.median(times), "units": f.units, "exact": f.exact,
+            "cuts": f.proof.cuts if f.proof is not None else 0, "points": len(f.points),
+            "repeats": repeats}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -161,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['step_s'] / ref['step_s']:11.2f}")
     budget = [r for r in rows if r["variant"].startswith("budget:")]
     mono = all(a["backward_flops"] >= b["backward_flops"] for a, b in zip(budget, budget[1:]))
-    print(f"\nbackward FLOPs non-increasing in the budget: {mono}; "
-          f"{time.perf_counter() - t0:.0f} s")
+    print(f"\nbackward FLOPs non-increasing in the budget: {mono}")
+    d, seq, batch = (128, 64, 4) if args.quick else (args.d, args.seq, args.batch)
+    p = planning(d, seq, batch, repeats=1 if args.quick else 5)
+    print(f"planning one block (d={d} seq {seq} batch {batch}): {p['units']} candidate ops, "
+          f"{p['points']} frontier points, {p['cuts']} min cuts, every choice proven exact: "
+          f"{p['exact']}; median {p['seconds']:.3f} s over {p['repeats']} fresh blocks; "
+          f"{time.perf_counter() - t0:.0f} s in all")
     return 0
 
 

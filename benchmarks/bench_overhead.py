@@ -20,13 +20,17 @@ remat   forward of a transformer block (d=64 / d=256): ``remat(nothing_saveable)
 split   a split step over 6 small MLP blocks (d=64, hidden 256, batch 8): ckptfx sessions
         (prefire + dx + one dw call per parameter) vs no checkpointing (target <= 1.3x);
         ``vjp_split`` (prefire + dx + its weight pass) vs one fused backward without
-        checkpointing (target <= 1.5x). Floor: torch's own split (stage_backward_input /
+        checkpointing (target <= 1.5x). Floors: torch's own split (stage_backward_input /
         stage_backward_weight) over the same blocks without checkpointing, the autograd
-        calls a per-group weight pass makes at the least.
+        calls a per-group weight pass makes at the least; a fused step plus one more
+        forward, the compute that any step replaying each block once adds. Also: ckptfx's
+        checkpoint with prefire and one fused backward, vjp_split against it, and
+        vjp_split forced to its per-group weight pass (what the rule's choice saves).
 vjp256  dx + dw of ``vjp_split`` vs one fused backward over 6 checkpointed transformer
         blocks (d=256, batch 8, seq 128; target <= 1.05x). Floor: torch's split against a
         fused backward, both without checkpointing (dw reads each activation a second time,
-        after dx, out of cache).
+        after dx, out of cache). Also: dx dropping the tensors only it reads when it ends
+        instead of at their read (what the drop at the read saves).
 
 ``main()`` returns every figure as a flat dict (for ``ckptfx bench``).
 """
@@ -46,6 +50,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 import ckptfx
+import ckptfx._weight_calls as weight_calls
+import ckptfx.split as cx_split
 from ckptfx import checkpoint_policies as cp
 
 aten = torch.ops.aten
@@ -235,6 +241,14 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
         for p in params:
             p.grad = None
 
+    def vjp_split_per_group() -> None:
+        # the per-group weight pass, which the rule leaves for larger blocks (_weight_calls)
+        weight_calls._force = "per_group"
+        try:
+            vjp_split()
+        finally:
+            weight_calls._force = None
+
     def fused() -> None:
         torch.autograd.grad(plain(x), [x, *params], g)
 
@@ -246,13 +260,35 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
         for p in params:
             p.grad = None
 
-    fns = {"none": none, "ckptfx sessions": sessions, "vjp_split": vjp_split, "fused": fused,
-           "floor": torch_split_plain}
+    def fused_and_forward() -> None:
+        plain(x)  # the compute of one replay, which any checkpointed step adds
+        fused()
+
+    def ckptfx_fused() -> None:
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            h = stack(x)
+        try:
+            for hd in handles:
+                ckptfx.recompute_handle(hd, "mb")
+            with ckptfx.recompute_session_ctx("mb"):
+                torch.autograd.grad(h, [x, *params], g)
+        finally:
+            ckptfx.clear_recompute_session("mb")
+
+    fns = {"none": none, "ckptfx sessions": sessions, "vjp_split": vjp_split,
+           "vjp_split per group": vjp_split_per_group, "fused": fused,
+           "floor": torch_split_plain, "fused + forward": fused_and_forward,
+           "ckptfx fused": ckptfx_fused}
     times = rounds_of(fns, rounds, inner)
     med = {k: statistics.median(v) for k, v in times.items()}
     r_sess = ratio(times, "ckptfx sessions", "none")
     r_vjp = ratio(times, "vjp_split", "fused")
     r_floor = ratio(times, "floor", "fused")
+    r_recompute = ratio(times, "fused + forward", "fused")
+    r_ck = ratio(times, "ckptfx fused", "fused")
+    r_vjp_ck = ratio(times, "vjp_split", "ckptfx fused")
+    r_pg = ratio(times, "vjp_split per group", "fused")
+    r_whole = ratio(times, "vjp_split", "vjp_split per group")
     print(f"split step, {nblocks} MLP blocks d={d} hidden={hidden} batch={batch} "
           f"({rounds}x{inner} steps): " + ", ".join(f"{k} {v * 1e3:.3f} ms"
                                                    for k, v in med.items()))
@@ -260,8 +296,17 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
           "   (target <= 1.3)")
     print(f"  vjp_split step / fused step:          {_fmt(r_vjp)}   (target <= 1.5)")
     print(f"  floor: torch's split without checkpointing / fused: {_fmt(r_floor)}")
+    print(f"  floor: fused step + one more forward (a replay's compute) / fused: "
+          f"{_fmt(r_recompute)}")
+    print(f"  ckptfx checkpoint, prefire + one fused backward / fused: {_fmt(r_ck)}")
+    print(f"  vjp_split step / that checkpointed fused step: {_fmt(r_vjp_ck)}")
+    print(f"  vjp_split with the per-group weight pass / fused: {_fmt(r_pg)}; the rule's "
+          f"pass / per-group: {_fmt(r_whole)}")
     return {"split_sessions_vs_none": r_sess[0], "split_vjp_vs_fused": r_vjp[0],
-            "split_torch_plain_vs_fused": r_floor[0]}
+            "split_torch_plain_vs_fused": r_floor[0],
+            "split_fused_plus_forward_vs_fused": r_recompute[0],
+            "split_ckptfx_fused_vs_fused": r_ck[0], "split_vjp_vs_ckptfx_fused": r_vjp_ck[0],
+            "split_vjp_per_group_vs_fused": r_pg[0], "split_vjp_vs_per_group": r_whole[0]}
 
 
 def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
@@ -287,6 +332,14 @@ def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
         for p in params:
             p.grad = None
 
+    def split_late_drop() -> None:
+        # dx-only replayed tensors dropped when dx ends, not at their read (split Rule 4)
+        cx_split._early_drop_enabled = False
+        try:
+            split()
+        finally:
+            cx_split._early_drop_enabled = True
+
     def plain(h: torch.Tensor) -> torch.Tensor:
         for b in blocks:
             h = b(h)
@@ -306,14 +359,18 @@ def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
             p.grad = None
 
     times = rounds_of({"fused": fused, "vjp_split": split, "plain fused": plain_fused,
-                       "plain split": plain_split}, rounds)
+                       "plain split": plain_split, "late drop": split_late_drop}, rounds)
     r = ratio(times, "vjp_split", "fused")
+    r_late = ratio(times, "late drop", "fused")
     r_floor = ratio(times, "plain split", "plain fused")
     print(f"dx + dw, {nblocks} checkpointed transformer blocks d={d} batch={batch} seq={seq} "
           f"({rounds} steps): fused {statistics.median(times['fused']) * 1e3:.1f} ms")
     print(f"  vjp_split / fused: {_fmt(r)}   (target <= 1.05)")
     print(f"  floor: torch's split / fused backward, both without checkpointing: {_fmt(r_floor)}")
-    return {"vjp256_vs_fused": r[0], "vjp256_torch_plain_split_vs_fused": r_floor[0]}
+    print(f"  vjp_split with dx-only tensors dropped when dx ends, not at their read / fused: "
+          f"{_fmt(r_late)}")
+    return {"vjp256_vs_fused": r[0], "vjp256_torch_plain_split_vs_fused": r_floor[0],
+            "vjp256_late_drop_vs_fused": r_late[0]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

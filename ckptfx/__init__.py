@@ -20,6 +20,7 @@ from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_
 from .frame import CheckpointError
 from .integrations import apply_activation_checkpointing
 from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
+from .refill import refill_outputs
 from .remat import remat
 from .budget import memory_budget, memory_budget_policies
 from .sequential import checkpoint_layers, checkpoint_sequential
@@ -68,6 +69,7 @@ __all__ = [
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",
     "recompute_session_stats",
+    "refill_outputs",
     "register_collective",
     "unwrap_checkpoint",
     "grad_split",

@@ -129,6 +129,12 @@ class Watch:
         elif func is _RF_EXIT and self.scopes:
             self.scopes.pop()
 
+    def run(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Run an ``outside`` op, unrecorded, and track the scope it opens or closes."""
+        out = func(*args, **kwargs)
+        self.ran(func, args, out)
+        return out
+
 
 class _Own:
     """In a logged output: the op's k-th written buffer (the replay's own is returned)."""
@@ -233,9 +239,7 @@ class Recorder(_compat.TorchDispatchMode):
             log.settle()
         watch = self.watch
         if watch.outside(func, args):
-            out = func(*args, **kwargs)
-            watch.ran(func, args, out)
-            return out
+            return watch.run(func, args, kwargs)
         out = func(*args, **kwargs)
         if is_collective(func):
             if log is None:
@@ -264,9 +268,7 @@ class Replayer(_compat.TorchDispatchMode):
         kwargs = kwargs or {}
         watch = self.watch
         if watch.outside(func, args):
-            out = func(*args, **kwargs)
-            watch.ran(func, args, out)
-            return out
+            return watch.run(func, args, kwargs)
         if not is_collective(func):
             return func(*args, **kwargs)
         entries = self.log.entries

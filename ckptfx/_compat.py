@@ -68,6 +68,18 @@ pop_saved_tensors_hooks: Callable[[], None] = _require(
     torch._C._autograd, "_pop_saved_tensors_default_hooks"
 )
 
+# The saved-tensor hooks on top of this thread's stack now, as (pack, unpack), or None.
+_top_saved_tensors_hooks: Callable[[bool], Any] = _require(
+    torch._C._autograd, "_top_saved_tensors_default_hooks"
+)
+
+
+def top_saved_tensors_pack_hook() -> Any:
+    """The pack hook on top of the saved-tensor hooks stack, or None when it is empty."""
+    top = _top_saved_tensors_hooks(False)
+    return None if top is None else top[0]
+
+
 # A SavedVariable made by hand: packs the tensor under the hooks active now (so an inner
 # checkpoint's inputs become saved tensors of its parent) and unpacks through them.
 make_saved_tensor: Callable[..., Any] = _require(torch._C._autograd, "_make_saved_tensor")

@@ -50,6 +50,7 @@ from typing import Any, Iterator
 import torch
 
 from . import _compat
+from ._primals import weight_slot
 from .frame import CheckpointError
 
 __all__ = ["DataParallel", "before_prefire", "observing", "unshard_fsdp_modules"]
@@ -115,11 +116,7 @@ class DataParallel:
             weights[i] = p = self.graph_param(weights[i])
             index.setdefault(id(p), i)
         for p in self.implicit_params():
-            found = index.get(id(p))
-            if found is None:
-                found = index[id(p)] = len(weights)
-                weights.append(p)
-            i = found
+            i = weight_slot(weights, index, p)
             if i not in param_slots:
                 param_slots.append(i)
 

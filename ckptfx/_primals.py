@@ -20,7 +20,7 @@ import optree
 import torch
 
 __all__ = ["check_cotangent", "check_params", "flatten_primals", "pack_input_grads",
-           "pack_weight_grads"]
+           "pack_weight_grads", "weight_slot"]
 
 Spec = tuple[Any, list[int | None]]  # (treedef, slots) of one primal
 
@@ -81,6 +81,16 @@ def check_params(params: Any, who: str) -> list[torch.Tensor]:
     return param_list
 
 
+def weight_slot(weights: list[torch.Tensor], index: dict[int, int], t: torch.Tensor) -> int:
+    """The position of ``t`` in a split's ``weights``, found by identity through ``index``
+    (``id`` -> position), appended to both if new: a tensor passed twice is one weight."""
+    i = index.get(id(t))
+    if i is None:
+        i = index[id(t)] = len(weights)
+        weights.append(t)
+    return i
+
+
 def flatten_primals(
     args: tuple[Any, ...], nums: tuple[int, ...], param_list: list[torch.Tensor], who: str
 ) -> tuple[list[Any], list[Spec], list[Spec], list[torch.Tensor], list[torch.Tensor],
@@ -112,11 +122,7 @@ def flatten_primals(
                 slots.append(len(x))
                 x.append(leaf)
             else:
-                i = w_index.get(id(leaf))
-                if i is None:
-                    i = w_index[id(leaf)] = len(weights)
-                    weights.append(leaf)
-                slots.append(i)
+                slots.append(weight_slot(weights, w_index, leaf))
             new_leaves.append(leaf)
         (x_specs if is_x else w_specs).append((treedef, slots))
         call_args[pos] = optree.tree_unflatten(treedef, new_leaves)
@@ -124,10 +130,7 @@ def flatten_primals(
     for p in param_list:
         if not p.requires_grad:
             continue
-        i = w_index.get(id(p))
-        if i is None:
-            i = w_index[id(p)] = len(weights)
-            weights.append(p)
+        i = weight_slot(weights, w_index, p)
         if i not in param_slots:
             param_slots.append(i)
     if {id(t) for t in x} & w_index.keys():

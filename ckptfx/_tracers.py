@@ -1,8 +1,8 @@
-"""The tracers active on this thread: the one shared fact of policies.py and trace.py.
+"""The tracers active on this thread: the one shared fact of _checkpoint_name.py and trace.py.
 
-A remat forward pushes its recorder (trace.py's ``Tracer``, or func.py's keep mode) here;
-``checkpoint_name`` (policies.py) hands a name to the innermost one. Living below both
-modules, it lets each import it without importing the other.
+A remat forward pushes its recorder (trace.py's ``Tracer``, or _func_block.py's keep mode)
+here; ``checkpoint_name`` (_checkpoint_name.py) hands a name to the innermost one. Living
+below both modules, it lets each import it without importing the other.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Rules
    so it executes only weight-gradient ops. dx + dw do the work of one fused backward (shared
    weights used by several intermediates are the exception: their group re-runs the input ops
    between those intermediates, as torch's split does). The groups are
-   ``ckptfx._weight_groups``'s.
+   ``ckptfx._weight_groups``'s; where blocks are small there is one group rooted at the
+   outputs with their cotangents, for every weight (``ckptfx._weight_calls``).
 
 2. The gradients of the ``params=`` tensors are accumulated into ``.grad`` as ``backward()``
    would, never aliasing a caller's tensor; under DDP the reducer writes ``.grad``
@@ -17,7 +18,7 @@ Rules
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Any, Hashable, cast
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -33,11 +34,11 @@ def weight_pass(
     key: Hashable,
     groups: list[_Group],
     captured: dict[Node, tuple[torch.Tensor | None, ...]],
-    out_edges: list[GradientEdge],
+    out_edges: list[GradientEdge | torch.Tensor],
     cotangents: list[torch.Tensor | None],
     weights: list[torch.Tensor],
     param_slots: list[int],
-    w_edges: list[GradientEdge],
+    w_edges: list[GradientEdge | torch.Tensor],
     dp: _distributed.DataParallel | None,
 ) -> list[torch.Tensor | None]:
     """Run the weight pass of one split; return the gradient of each weight (Rules 1, 2).
@@ -48,9 +49,9 @@ def weight_pass(
     """
     n = len(weights)
     wgrads: list[torch.Tensor | None] = [None] * n
-    work: list[tuple[_Group, list[GradientEdge], list[torch.Tensor | None]]] = []
+    work: list[tuple[_Group, list[GradientEdge | torch.Tensor], list[torch.Tensor | None]]] = []
     for g in groups:
-        edges: list[GradientEdge] = []
+        edges: list[GradientEdge | torch.Tensor] = []
         seeds: list[torch.Tensor | None] = []
         for node in g.intermediates:
             for i, grad in enumerate(captured.get(node, ())):
@@ -64,7 +65,7 @@ def weight_pass(
             work.append((g, edges, seeds))
     ddp = dp is not None and bool(dp.ddp)
 
-    def run_group(g: _Group, edges: list[GradientEdge],
+    def run_group(g: _Group, edges: list[GradientEdge | torch.Tensor],
                   seeds: list[torch.Tensor | None], last: bool) -> None:
         hooks = []
         try:
@@ -80,8 +81,9 @@ def weight_pass(
                     weights, param_slots, w_edges, g.weights,
                     edges, seeds, last)
             else:
+                # (edges are all GradientEdges, or all tensors for the whole pass)
                 res = torch.autograd.grad(
-                    edges, [w_edges[i] for i in g.weights], seeds,
+                    cast(Any, edges), cast(Any, [w_edges[i] for i in g.weights]), seeds,
                     retain_graph=not last, allow_unused=True,
                 )
         finally:

@@ -16,17 +16,20 @@ Rules
    pay no planning cost: a per-op policy answers from the chosen set by op position.
 
 2. A keep-set is scored by replaying, on the recording, exactly what trace.py does with it
-   (keep.py's Rules 2 and 2b): which packs are kept, which values the replay's frontier keeps, and
-   which ops the replay then runs (``Segment._plan``). Bytes are distinct storages kept beyond
-   the block's arguments; the cost is (recompute FLOPs, recomputed output elements), compared
-   in that order (most elementwise ops count 0 FLOPs; the elements break their ties).
-   Keeping a value removes the need to recompute its producers; the score sees that, since
-   a whole set is scored, not one value at a time.
+   (``_budget_model._Model.score``): bytes are distinct storages kept beyond the block's
+   arguments; the cost is (recompute FLOPs, recomputed output elements), compared in that
+   order (most elementwise ops count 0 FLOPs; the elements break their ties).
 
-3. Candidates: nothing, everything, ``dots_saveable``'s set, every subset when the block has
-   at most ``EXACT_UNITS`` candidate ops (so small blocks are solved exactly), and the chains
-   of a greedy that adds (best cost drop per byte) and a greedy that removes (least cost rise
-   per byte freed). The frontier is sorted by bytes with strictly falling cost; a budget of
+3. Candidates (``_budget_model.Frontier.from_recording``): nothing, everything,
+   ``dots_saveable``'s set, two greedy chains, and what the solver proposes
+   (``_budget_cut``): the vertices of the lower convex hull of a min-cut model of the
+   recording (a relaxation of Rule 2, so it bounds every keep-set's FLOPs from below), then,
+   for each interval between frontier points, a branch and bound that proves no keep-set
+   within the interval's bytes recomputes fewer FLOPs than its point, or finds one. Work is
+   counted in min cuts, not timed; what the count leaves open keeps its proven lower bound, and
+   ``print_saved_residuals`` says which: "exact" or "within X FLOPs (Y%) of optimal".
+   Blocks of at most ``EXACT_UNITS`` candidate ops with an unfinished proof have every
+   subset scored. The frontier is sorted by bytes with strictly falling cost; a budget of
    ``fraction`` picks the frontier point with the most bytes at most ``fraction`` times the
    bytes ``everything_saveable`` keeps. Hence, by construction: kept bytes are monotone in
    the fraction, the cost never rises with it, and at the fraction ``dots_saveable`` keeps,
@@ -44,29 +47,26 @@ Rules
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import threading
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
 from torch.utils.flop_counter import flop_registry
 
 from . import policies as _policies
+from ._budget_model import EXACT_UNITS, Frontier, Note, Point, _graph_only, _Model
 from ._ops import op_info
 from ._signature import per_function, signature
-from ._term import human_bytes
 from ._tracers import reporting
-from .policies import DOTS, Decision, Policy, everything_saveable
-from .trace import Segment, Tracer
+from .policies import Decision, Policy, everything_saveable
+from .trace import Tracer
 
 __all__ = ["BlockShare", "Frontier", "MemoryBudget", "ModelBudget", "memory_budget",
            "memory_budget_policies", "spread"]
 
-# Blocks with at most this many candidate ops are solved exactly (every subset is scored).
-EXACT_UNITS = 10
+# EXACT_UNITS, _graph_only and _Model are imported for older imports that name them here.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,14 +280,6 @@ def _plans_of(fun: Callable[..., Any]) -> dict[Any, "Frontier"]:
 _shared_plans: dict[Any, dict[Any, "Frontier"]] = {}
 
 
-@dataclasses.dataclass(frozen=True)
-class Note:
-    """What a budget chose for one call made under ``saved_residuals``."""
-
-    text: str
-    planned_now: bool
-
-
 class _Notes(threading.local):
     def __init__(self) -> None:
         self.items: list[Note] = []
@@ -386,282 +378,6 @@ class _PlanningTracer(Tracer):
         if reporting():
             _notes.append(frontier.explain(self._budget.fraction, planned_now=True))
         return seg
-
-
-# -- scoring keep-sets on the recording (Rule 2) ----------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Point:
-    """One scored keep-set: the ops whose outputs may be kept, the bytes kept beyond the
-    arguments, and the replay's cost (FLOPs, output elements)."""
-
-    keep: frozenset[int]
-    nbytes: int
-    flops: int
-    elems: int
-
-    @property
-    def cost(self) -> tuple[int, int]:
-        return (self.flops, self.elems)
-
-
-class Frontier:
-    """The scored candidates of one recorded block, and the choice for a fraction."""
-
-    def __init__(self, points: list[Point], everything: Point, nothing: Point, dots: Point,
-                 funcs: tuple[Any, ...], replayable: bool, units: int, exact: bool) -> None:
-        self.everything = everything
-        self.everything_keep = everything.keep
-        self.nothing = nothing
-        self.dots = dots
-        self.funcs = funcs
-        self.replayable = replayable
-        self.units = units
-        self.exact = exact
-        self.candidates = len(points)
-        self.model: _Model | None = None  # set by from_recording, for ``why``
-        # Pareto frontier: by bytes (then cost), keep a point only if it costs strictly less
-        # than every smaller one (Rule 3).
-        best: list[Point] = []
-        for p in sorted(points, key=lambda p: (p.nbytes, p.cost, sorted(p.keep))):
-            if not best or p.cost < best[-1].cost:
-                best.append(p)
-        self.points = best
-
-    def budget_bytes(self, fraction: float) -> int:
-        # Bytes are integers; the small slack makes fraction = kept / everything (a float
-        # quotient) admit exactly ``kept`` bytes despite rounding.
-        return int(math.floor(fraction * self.everything.nbytes + 1e-6))
-
-    def choose(self, fraction: float) -> Point:
-        if fraction >= 1.0:
-            return self.everything
-        if fraction <= 0.0:
-            return self.nothing
-        limit = self.budget_bytes(fraction)
-        choice = self.points[0]
-        for p in self.points:
-            if p.nbytes <= limit:
-                choice = p
-        return choice
-
-    def explain(self, fraction: float, planned_now: bool, choice: "Point | None" = None
-                ) -> Note:
-        p = self.choose(fraction) if choice is None else choice
-        ev, no = self.everything, self.nothing
-        lines = [
-            f"memory_budget({fraction:g}): keeps {human_bytes(p.nbytes)} of {human_bytes(ev.nbytes)} "
-            f"(everything_saveable; budget {human_bytes(self.budget_bytes(fraction))}), recomputes "
-            f"{_f(p.flops)} of {_f(no.flops)} FLOPs (nothing_saveable; dots_saveable keeps "
-            f"{human_bytes(self.dots.nbytes)} and recomputes {_f(self.dots.flops)}); chosen from "
-            f"{len(self.points)} frontier points of {self.candidates} candidates over "
-            f"{self.units} ops ({'exact' if self.exact else 'greedy chains + dots'})",
-        ]
-        if planned_now:
-            lines.append("  (this call planned and kept nothing; later calls with this "
-                         "signature keep the set below)")
-        for i, saved in self.why(p):
-            lines.append(f"  may keep op {i} ({self.funcs[i]}): dropping it would recompute "
-                         f"{_f(saved[0])} FLOPs ({saved[1]} elements) more")
-        return Note("\n".join(lines), planned_now)
-
-    def why(self, p: Point) -> list[tuple[int, tuple[int, int]]]:
-        """Per op of ``p``'s keep-set, the cost its keep saves (the cost of the set
-        without it, minus ``p``'s), as scored on the recording."""
-        if self.model is None:
-            return [(i, (0, 0)) for i in sorted(p.keep)]
-        out = []
-        for i in sorted(p.keep):
-            q = self.model.score(p.keep - {i})
-            if (q.nbytes, q.cost) != (p.nbytes, p.cost):  # ops whose keep changes nothing
-                out.append((i, (q.flops - p.flops, q.elems - p.elems)))
-        return out
-
-    @classmethod
-    def from_recording(cls, tracer: _PlanningTracer) -> "Frontier":
-        model = _Model(tracer)
-        funcs = tuple(op.func for op in tracer.seg.ops)
-        everything = model.score(frozenset(range(len(funcs))))
-        nothing = model.score(frozenset())
-        dots = model.score(frozenset(i for i, f in enumerate(funcs) if f in DOTS))
-        if not model.replayable:
-            return cls([nothing, everything], everything, nothing, dots, funcs, False, 0,
-                       True)
-        units = model.units
-        exact = len(units) <= EXACT_UNITS
-        if exact:
-            for r in range(len(units) + 1):
-                for combo in itertools.combinations(units, r):
-                    model.score(frozenset(combo))
-        else:
-            model.greedy_add()
-            model.greedy_remove()
-        frontier = cls(list(model.memo.values()), everything, nothing, dots, funcs, True,
-                       len(units), exact)
-        frontier.model = model
-        return frontier
-
-
-class _GraphOp:
-    __slots__ = ("inputs", "outs")
-
-    def __init__(self, inputs: list[tuple[int, int, int]], outs: list[tuple[int, int]]) -> None:
-        self.inputs = inputs
-        self.outs = outs
-
-
-def _graph_only(seg: Segment) -> Segment:
-    """The recording's dataflow alone (what ``Segment._plan`` reads), without tensors: a
-    cached plan must not keep the block's parameters or anything else alive."""
-    lite = Segment()
-    lite.ops = [_GraphOp(op.inputs, op.outs) for op in seg.ops]  # type: ignore[misc]
-    lite.producer, lite.base = list(seg.producer), list(seg.base)
-    lite.writers = {k: list(v) for k, v in seg.writers.items()}
-    lite.rng_prev = dict(seg.rng_prev)
-    lite.targets = dict(seg.targets)
-    lite.replayable, lite.subclass = seg.replayable, seg.subclass
-    return lite
-
-
-class _Model:
-    """trace.py's keep and replay rules, run on a recording for a given keep-set."""
-
-    def __init__(self, tracer: _PlanningTracer) -> None:
-        seg = _graph_only(tracer.seg)
-        self.seg = seg
-        self.replayable = seg.replayable and not seg.subclass
-        self.root = tracer.root
-        self.cost = tracer.op_cost
-        self.view = tracer.op_view
-        self.nbytes = tracer.nbytes
-        self.memo: dict[frozenset[int], Point] = {}
-        # Per op: its output slots, new (made by it) or rewritten, with the version they
-        # have after the op.
-        self.op_outs: list[list[tuple[int, bool, int]]] = []
-        for i, op in enumerate(seg.ops):
-            outs = []
-            for _, slot in op.outs:
-                base = seg.base[slot]
-                ws = seg.writers.get(base, ())
-                version = sum(1 for w in ws if w <= i)
-                outs.append((slot, seg.producer[slot] == i, version))
-            self.op_outs.append(outs)
-        # Packs: (holder position, (slot, version), ops recorded before the pack).
-        # Only packs whose holder is still alive at the end of the forward: a branch whose
-        # result the block dropped takes its saved tensors with it (so does the replay).
-        holders = tracer.frame.holders
-        self.packs = [(pos, sv, tracer.pack_time.get(pos, 0))
-                      for pos, sv in seg.targets.items() if holders[pos]() is not None]
-        # Candidate ops: not views (a view inherits its input's keep) with an output that
-        # is not an argument.
-        self.units = [i for i, outs in enumerate(self.op_outs)
-                      if not self.view[i] and any(self.root[s] < 0 for s, _, _ in outs)]
-
-    def score(self, keep: frozenset[int]) -> Point:
-        p = self.memo.get(keep)
-        if p is not None:
-            return p
-        seg, root = self.seg, self.root
-        # decision history: slot -> [(ops recorded when set, decision)]
-        decision: dict[int, bool] = {}
-        history: dict[int, list[tuple[int, bool]]] = {}
-        held: dict[tuple[int, int], bool] = {}
-        for i, op in enumerate(seg.ops):
-            src = op.inputs[0][1] if op.inputs else None
-            for slot, new, version in self.op_outs[i]:
-                if new and self.view[i] and src is not None and decision.get(src, False):
-                    d = decision[src]  # a view of a kept value: kept with it, not held
-                    inherited = True
-                else:
-                    d = i in keep
-                    inherited = False
-                decision[slot] = d
-                history.setdefault(slot, []).append((i + 1, d))
-                if d and not inherited and root[slot] < 0:
-                    held[(slot, version)] = True
-        kept: set[tuple[int, int]] = set()
-        wanted: list[tuple[int, int]] = []
-        for _, sv, t in self.packs:
-            slot = sv[0]
-            if root[slot] >= 0:
-                wanted.append(sv)
-                continue
-            d = False
-            for when, value in history.get(slot, ()):
-                if when <= t:
-                    d = value
-            if d:
-                kept.add(sv)
-            else:
-                wanted.append(sv)
-        # the replay's frontier (keep.py, Tracer._keep_what_the_replay_reads)
-        frontier: set[tuple[int, int]] = set()
-        stack = list(wanted)
-        seen: set[tuple[int, int]] = set()
-        while stack:
-            sv = stack.pop()
-            if sv in seen:
-                continue
-            seen.add(sv)
-            if sv in kept:
-                continue
-            slot, version = sv
-            if sv in held and seg.version(slot) == version:
-                frontier.add(sv)
-                continue
-            for i in seg.makers(slot, version):
-                if i >= 0:
-                    stack.extend((s, v) for _, s, v in seg.ops[i].inputs)
-        available = {sv: True for sv in kept | frontier}
-        plan = seg._plan(wanted, available) if wanted else []
-        flops = sum(self.cost[i][0] for i in plan)
-        elems = sum(self.cost[i][1] for i in plan)
-        bases = {seg.base[s] for s, _ in kept | frontier}
-        nbytes = sum(self.nbytes.get(b, 0) for b in bases)
-        p = self.memo[keep] = Point(keep, nbytes, flops, elems)
-        return p
-
-    def greedy_add(self) -> None:
-        """From nothing, add the op whose keep lowers the cost most per byte added."""
-        current: frozenset[int] = frozenset()
-        rest = set(self.units)
-        while rest:
-            base = self.score(current)
-            best, best_score = None, None
-            for u in sorted(rest):
-                p = self.score(current | {u})
-                gain = (base.flops - p.flops) + (base.elems - p.elems)
-                added = max(p.nbytes - base.nbytes, 0)
-                score = (gain / (added + 1), -added, -u)
-                if best_score is None or score > best_score:
-                    best, best_score = u, score
-            assert best is not None
-            current = current | {best}
-            rest.discard(best)
-
-    def greedy_remove(self) -> None:
-        """From everything, drop the op whose keep raises the cost least per byte freed."""
-        current = frozenset(self.units)
-        while current:
-            base = self.score(current)
-            best, best_score = None, None
-            for u in sorted(current):
-                p = self.score(current - {u})
-                loss = (p.flops - base.flops) + (p.elems - base.elems)
-                freed = max(base.nbytes - p.nbytes, 0)
-                score = (-loss / (freed + 1), freed, -u)
-                if best_score is None or score > best_score:
-                    best, best_score = u, score
-            assert best is not None
-            current = current - {best}
-
-
-def _f(n: int) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
 
 
 # ``policy=checkpoint_policies.memory_budget`` (not called) is refused like the other

@@ -13,6 +13,7 @@ from . import _compat, _compile
 from ._debug import DebugLogs
 from . import _collectives
 from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
+from .refill import plain_saves, scope_on_top
 from .policies import NameCheck, NothingSaveable, check_policy, name_check
 from .session import collect, uncollect
 
@@ -231,9 +232,11 @@ def run_checkpointed(
         forward_ctx, recompute_ctx = logs.contexts()
     else:
         forward_ctx, recompute_ctx = context_fn()
-    frame = Frame(function, args, kwargs, preserve_rng_state=preserve_rng_state,
-                  determinism_check=determinism_check, early_stop=early_stop,
-                  recompute_ctx=recompute_ctx, debug=logs)
+    refill = scope_on_top()  # a ckptfx.refill_outputs() context around this block, if any
+    with plain_saves(refill):
+        frame = Frame(function, args, kwargs, preserve_rng_state=preserve_rng_state,
+                      determinism_check=determinism_check, early_stop=early_stop,
+                      recompute_ctx=recompute_ctx, debug=logs)
     handles = collect(frame)
     suppressed = True
     _compat.push_saved_tensors_hooks(frame.pack, unpack_hook)
@@ -254,6 +257,8 @@ def run_checkpointed(
             "failed forward."
         )
     frame.forward_finished(out)
+    if refill is not None:
+        refill.register(frame, out, args)
     return out
 
 

@@ -62,6 +62,12 @@ Rules (the invariants the code below keeps; read these before changing it)
    a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
    and checks are the frame's.
 
+7b. A frame whose outputs a ``ckptfx.refill_outputs`` context handed out as handles
+   (``frame.refill``, set by refill.py) makes each replay that a live handle needs a refill
+   replay (a list subclass that also carries the outputs): it runs to the block's outputs (no
+   early stop) and hands them to ``frame.refill``. Strategies fill both; the frame caches
+   them under one key, so a block's outputs and its saved tensors come from one replay.
+
 8. The generator state a replay restores is process-global, so replays that restore it run
    one at a time (``_rng_lock``, re-entrant for nested replays on one thread). Two threads
    replaying dropout blocks at once would otherwise draw each other's random numbers. (A
@@ -209,7 +215,7 @@ class Frame:
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
         "recompute_ctx", "debug", "replays", "active", "session",
         "forward_done", "ignore_count", "shared", "op_seq", "prev_op_seq", "last_op_first",
-        "watch_last_op", "frames_made", "__weakref__",
+        "watch_last_op", "frames_made", "refill", "__weakref__",
     )
 
     def __init__(
@@ -258,6 +264,7 @@ class Frame:
         # Positions whose replayed tensor aliases an input or a parameter (costs no memory),
         # found by the first function replay (None until then); read by session stats.
         self.shared: frozenset[int] | None = None
+        self.refill: Any = None  # Rule 7b: the outputs refill_outputs() handed out as handles
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -293,7 +300,9 @@ class Frame:
 
     def replay(self, key: Hashable, *, store: bool = True, scheduled: bool = False) -> Replay:
         """Replay the block for ``key`` and return its tensors (Rules 3 and 5)."""
-        tensors: Replay = [None] * len(self.holders)
+        refill = self.refill
+        tensors: Replay = ([None] * len(self.holders) if refill is None
+                           else refill.new_replay(len(self.holders)))  # Rule 7b
         outer = tls.scheduled_replay
         tls.scheduled_replay = scheduled
         env = self.env
@@ -325,7 +334,7 @@ class Frame:
                 replay = self.replay(act.session, scheduled=True)
             t = _take(replay, holder.index, act.retain, act)
             if act.retain and act.log is not None:
-                act.log.append((holder, _compat.current_autograd_node()))
+                _note_read(act, replay, holder)
             return t
         key = _compat.get_graph_exec_group()
         if key is None:
@@ -342,6 +351,33 @@ class Frame:
         return f"<ckptfx Frame of {name}: {len(self.holders)} saved tensors>"
 
 
+class _ReadsOnce(dict):
+    """node class -> whether its nodes unpack each saved tensor once per call: torch's own
+    (C++) nodes do; a custom Function's backward may read ``ctx.saved_tensors`` twice.
+    Filled on first sight, so the hot path pays a dict lookup."""
+
+    def __missing__(self, cls: type) -> bool:
+        once = cls is not type(None) and not issubclass(
+            cls, torch.autograd.function.BackwardCFunction)
+        self[cls] = once
+        return once
+
+
+_reads_once = _ReadsOnce()
+
+
+def _note_read(act: Any, replay: Replay, holder: Holder) -> None:
+    """A retaining dx pass read ``holder``'s tensor: log the reading node for the split's
+    trim, or, when that node is one the weight pass will not execute (``act.drop_unless``)
+    and reads it only this once, drop the tensor now, as a fused backward frees it."""
+    node = _compat.current_autograd_node()
+    keep = act.drop_unless
+    if keep is not None and node not in keep and _reads_once[node.__class__]:
+        replay[holder.index] = None
+    else:
+        act.log.append((holder, node))
+
+
 def unpack_hook(holder: Holder) -> torch.Tensor:
     """The saved-tensor unpack hook of every frame: the hot path (Rule 4)."""
     frame = holder.frame
@@ -354,7 +390,7 @@ def unpack_hook(holder: Holder) -> torch.Tensor:
                 if not act.retain:
                     replay[holder.index] = None
                 elif act.log is not None:
-                    act.log.append((holder, _compat.current_autograd_node()))
+                    _note_read(act, replay, holder)
                 return t
     else:
         key = _compat.get_graph_exec_group()
@@ -410,7 +446,8 @@ class _Recorder:
         self.tensors = tensors
         self.count = 0
         n = len(tensors)
-        self.stop_at = n if frame.early_stop and n else -1
+        # A refill replay (Rule 7b) runs to the block's outputs.
+        self.stop_at = n if frame.early_stop and n and type(tensors) is list else -1
         # Rule 6: from the pack at this position on, _LastOpWatch sees the replay's ops.
         self.last_op_first = (frame.last_op_first if self.stop_at > 0 and frame.watch_last_op
                               else -1)
@@ -543,7 +580,9 @@ def rerun_function(frame: Frame, tensors: Replay) -> None:
         with torch.enable_grad(), frame.env.restored(), ctx, replay_context(frame):
             try:
                 rec.start()
-                frame.fn(*args, **frame.kwargs)
+                out = frame.fn(*args, **frame.kwargs)
+                if type(tensors) is not list:  # a refill replay (Rule 7b)
+                    frame.refill.fill_from_result(tensors, out)
             except _Stop:
                 pass
             finally:

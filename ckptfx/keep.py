@@ -185,14 +185,7 @@ class _PackSide:
         # A detached alias: an op that saves its own output (relu, exp, softmax) would
         # otherwise hold its node through the packed tensor, a cycle gc cannot see through
         # the C++ graph, leaking every graph that is dropped without a backward.
-        kept = _compat.detach_unrecorded(x)
-        if isinstance(decision, Offload):
-            packed: _Kept | _Offloaded = _Offloaded(kept,
-                                                   self.pinned and decision.dst == "pinned_host")
-            self._note("offloaded", x, slot, version)
-        else:
-            packed = _Kept(kept)
-            self._note("saved", x, slot, version)
+        packed = self._packed(_compat.detach_unrecorded(x), x, decision, slot, version)
         self.seg.kept.setdefault((slot, version), weakref.ref(packed))
         self.recent.append((pos, slot, version, x, frame.op_seq, packed))
         return packed
@@ -263,6 +256,19 @@ class _PackSide:
             self.__dict__["_inputs_by_slot"] = cache
         return cache
 
+    def _packed(self, kept: torch.Tensor, x: torch.Tensor, decision: Any, slot: int,
+                version: int) -> _Kept | _Offloaded:
+        """``kept`` (a detached alias of ``x``) packed as ``decision`` says: moved to the host
+        for an ``Offload``, else held as it is; noted for the residual report under ``x``."""
+        packed: _Kept | _Offloaded
+        if isinstance(decision, Offload):
+            packed = _Offloaded(kept, self.pinned and decision.dst == "pinned_host")
+            self._note("offloaded", x, slot, version)
+        else:
+            packed = _Kept(kept)
+            self._note("saved", x, slot, version)
+        return packed
+
     def _note(self, kind: str, x: torch.Tensor, slot: int, version: int) -> None:
         if self.report is not None:
             self.report.append((self, kind, x, slot, version))
@@ -293,12 +299,7 @@ class _PackSide:
                     and seg.version(slot) == version):  # not rewritten since: still that value
                 t, _, decision = h
                 t = t.detach()  # outside the mode: shares the version counter _Kept checks
-                if isinstance(decision, Offload):
-                    packed: Any = _Offloaded(t, self.pinned and decision.dst == "pinned_host")
-                    self._note("offloaded", t, slot, version)
-                else:
-                    packed = _Kept(t)
-                    self._note("saved", t, slot, version)
+                packed = self._packed(t, t, decision, slot, version)
                 (seg.single_use if decision is True else seg.extra).append(packed)
                 seg.kept[sv] = weakref.ref(packed)
                 continue

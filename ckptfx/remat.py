@@ -36,6 +36,7 @@ from .policies import (
     name_check,
     positional_policy_message,
 )
+from .refill import plain_saves, scope_on_top
 from .rerun import plan_for
 from .session import collect, uncollect
 from .trace import Tracer, reporting, residual_unpack_hook
@@ -310,7 +311,9 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     if _compat.functorch_level() > 0:
         return flat.function_path(options.policy)
     tensors = flat.tensors
-    frame = Frame(flat.fn, tuple(tensors), {}, early_stop=options.early_stop)
+    refill = scope_on_top()  # a ckptfx.refill_outputs() context around this block, if any
+    with plain_saves(refill):
+        frame = Frame(flat.fn, tuple(tensors), {}, early_stop=options.early_stop)
     plan = plan_for(fun, options.policy, options.always_record, flat.fn, tensors, args, kwargs,
                     learnt)
     tracer: Tracer | None = None
@@ -360,6 +363,8 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         tracer.finish()
     if plan is not None:
         plan.finish(frame, tracer)
+    if refill is not None:
+        refill.register(frame, out, tensors, tracer)
     return out
 
 

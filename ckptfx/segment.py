@@ -103,11 +103,16 @@ class Segment:
     # The replay strategy (frame.rerun) -------------------------------------------------
 
     def replay(self, frame: Frame, tensors: Replay) -> None:
-        if not self.replayable and self._needs_python(frame):
+        # A refill replay (frame.py Rule 7b) also rebuilds the block's outputs, at the
+        # (slot, version) each had when the block returned.
+        outputs = None if type(tensors) is list else frame.refill.targets
+        if not self.replayable and (outputs is not None or self._needs_python(frame)):
             rerun_function(frame, tensors)
             return
         targets = [(pos, sv) for pos, sv in self.targets.items()
                    if frame.holders[pos]() is not None]
+        if outputs is not None:
+            targets += [(-1, sv) for sv in outputs]  # position -1: not a holder's
         if not targets:
             return
         # A single-use value rewritten in place since the forward is recomputed (keep.py Rule
@@ -174,9 +179,16 @@ class Segment:
                             vals[r] = None
                         else:
                             del available[r]
+        values = []
         for pos, sv in targets:
             kept = available.get(sv)
-            tensors[pos] = vals[sv[0]] if kept is None else kept.get()
+            t = vals[sv[0]] if kept is None else kept.get()
+            if pos >= 0:
+                tensors[pos] = t
+            else:
+                values.append(t)
+        if outputs is not None:
+            frame.refill.fill(tensors, values)
 
     def _needs_python(self, frame: Frame) -> bool:
         """trace.py Rule 4: a block that is not replayable must re-run its Python function,

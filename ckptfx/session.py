@@ -78,7 +78,7 @@ class Session:
 class Activation:
     """What ``recompute_session_ctx`` binds to a frame: the session and the retain flag."""
 
-    __slots__ = ("session", "retain", "log")
+    __slots__ = ("session", "retain", "log", "drop_unless")
 
     def __init__(self, session: Session, retain: bool) -> None:
         self.session = session
@@ -86,6 +86,10 @@ class Activation:
         # Set by the split transforms during a dx pass (retain only): the unpack hook appends
         # (holder, autograd node) so the weight pass can keep just what it reads.
         self.log: list | None = None
+        # With the log, optionally the nodes the weight pass will execute: a replayed tensor
+        # that a torch node outside them reads is dropped at that read, not when dx ends,
+        # so dx frees it as a fused backward would (split Rule 4).
+        self.drop_unless: set | None = None
 
     def adopt(self, frame: Frame) -> "Activation | None":
         """Lazy discovery (Rule 2): register and bind a frame first unpacked in this context."""
@@ -473,6 +477,12 @@ def recompute_session_stats() -> dict[Hashable, SessionStats]:
                 shared = frame.shared or ()
                 for i, t in enumerate(replay):
                     if t is not None and i not in shared:
+                        tensors += 1
+                        st = t.untyped_storage()
+                        storages[st.data_ptr()] = st.nbytes()
+                # A refill replay (frame.py Rule 7b) also holds the block's outputs.
+                for t in getattr(replay, "outs", ()):
+                    if hasattr(t, "untyped_storage"):
                         tensors += 1
                         st = t.untyped_storage()
                         storages[st.data_ptr()] = st.nbytes()

@@ -19,11 +19,19 @@ Rules
 3. dw runs the weight pass (``ckptfx._weight_pass``): one ``autograd.grad`` per parameter
    group (``ckptfx._weight_groups``), rooted at the intermediates with the captured gradients,
    so it executes only weight-gradient ops; dx + dw do the work of one fused backward.
+   Where blocks are small (a rule on shapes, ``ckptfx._weight_calls``) the per-call cost
+   outweighs that: dx is then a plain input backward (no groups, no capture hooks) and dw one
+   plain weight backward from the outputs, which recomputes the input-path gradients that
+   lead to weights; the gradients are the same bit for bit either way. Never under DDP or
+   FSDP2.
 
-4. Between dx and dw the session keeps only the replayed tensors dw will read: during dx the
-   unpack hook logs which autograd node read each replayed tensor, and when dx ends the tensors
-   read only by nodes dw will not execute (activation outputs, softmax probabilities, dropout
-   masks) are dropped from the session's replay (``ckptfx._weight_groups``, Rule 2 there).
+4. Between dx and dw the session keeps only the replayed tensors dw will read (per-group pass;
+   the whole pass reads them all): during dx the unpack hook drops a replayed tensor at its
+   read by a torch node that dw will not execute (activation outputs, softmax probabilities,
+   dropout masks), as a fused backward frees it, and logs the other reads; when dx ends the
+   logged tensors read only by such nodes (a custom Function's, which may read its saved
+   tensors twice) are dropped from the session's replay too (``ckptfx._weight_groups``, Rule
+   2 there).
 
 5. dw is the last consumer: in a ``finally`` it clears the session and drops the captured
    gradients, hooks and graph, also when it raises. A dx that fails after its arguments were
@@ -64,6 +72,7 @@ from ._primals import (
 )
 # The weight groups live in _weight_groups; trim_session and weight_pass_nodes stay importable here.
 from ._weight_groups import Node, _Group, _plan, trim_session, weight_pass_nodes
+from . import _weight_calls as _wc
 from ._weight_pass import weight_pass
 from .frame import CheckpointError, tls
 from .session import (
@@ -83,6 +92,8 @@ _inflight: "weakref.WeakValueDictionary[Hashable, _Split]" = weakref.WeakValueDi
 _key_counter = itertools.count()
 # Rule 4 on/off; benchmarks turn it off to measure what trimming saves.
 _trim_enabled = True
+# Rule 4's drop at the read (else only when dx ends); benchmarks measure what it saves.
+_early_drop_enabled = True
 
 
 class _SplitKey:
@@ -100,6 +111,15 @@ class _SplitKey:
 # -- the split --------------------------------------------------------------------------------
 
 
+def _check_fun(fun: Any, has_aux: Any, who: str) -> None:
+    """A ``TypeError`` naming ``who`` for a ``fun`` that is not callable or a ``has_aux``
+    that is not a bool (``grad_split`` checks them when made, before any call)."""
+    if not callable(fun):
+        raise TypeError(f"{who}: fun must be callable, got {type(fun).__name__}")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{who}: has_aux must be a bool, got {type(has_aux).__name__}")
+
+
 class _Split:
     """State of one split: the graph, the session, the captured gradients (see Rules)."""
 
@@ -114,10 +134,7 @@ class _Split:
         params: Any,
         who: str,
     ) -> None:
-        if not callable(fun):
-            raise TypeError(f"{who}: fun must be callable, got {type(fun).__name__}")
-        if not isinstance(has_aux, bool):
-            raise TypeError(f"{who}: has_aux must be a bool, got {type(has_aux).__name__}")
+        _check_fun(fun, has_aux, who)
         nums, self.x_single = _normalize_argnums(x_argnums, len(args))
         if session is None:
             session = _SplitKey()
@@ -187,9 +204,10 @@ class _Split:
         self.out = _detach_tree(out)
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         self.groups: list[_Group] = []
-        self.out_edges: list[GradientEdge] = []
+        # GradientEdges, or the tensors themselves for the whole weight pass (_weight_calls)
+        self.out_edges: list[GradientEdge | torch.Tensor] = []
         self.cotangents: list[torch.Tensor | None] = []
-        self.w_edges: list[GradientEdge] = []
+        self.w_edges: list[GradientEdge | torch.Tensor] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -277,15 +295,25 @@ class _Split:
             used = [i for i, c in enumerate(cots) if c is not None]
             self.cotangents = [cots[i] for i in used]
             outputs = [self.outputs[i] for i in used]
-            self.out_edges = [get_gradient_edge(o) for o in outputs]
             x_req = [t for t in self.x if t.requires_grad]
-            x_nodes = {get_gradient_edge(t).node for t in x_req}
-            self.w_edges = [get_gradient_edge(w) for w in self.weights]
-            self.groups = _plan(self.out_edges, x_nodes, [e.node for e in self.w_edges])
-            keep = weight_pass_nodes(
-                ((g.intermediates, [self.w_edges[i].node for i in g.weights]) for g in self.groups),
-                stop=x_nodes,
-            )
+            # Small blocks: dw as one plain weight backward (Rule 3, _weight_calls). Its
+            # edges are the tensors themselves (autograd finds them in C++).
+            whole = self.dp is None and _wc.whole_backward_pays(
+                self.cotangents, x_req, self.weights)
+            if whole:
+                self.out_edges, self.w_edges = list(outputs), list(self.weights)
+                self.groups = [_wc.whole_backward_group(len(outputs), len(self.weights))]
+            else:
+                out_edges = [get_gradient_edge(o) for o in outputs]
+                x_nodes = {get_gradient_edge(t).node for t in x_req}
+                w_edges = [get_gradient_edge(w) for w in self.weights]
+                w_nodes = [e.node for e in w_edges]
+                self.out_edges, self.w_edges = list(out_edges), list(w_edges)
+                self.groups = _plan(out_edges, x_nodes, w_nodes)
+                keep = weight_pass_nodes(
+                    ((g.intermediates, [w_nodes[i] for i in g.weights]) for g in self.groups),
+                    stop=x_nodes,
+                )
             hooks = []
             captured = self.captured
 
@@ -303,7 +331,9 @@ class _Split:
                     log: list = []
                     with recompute_session_ctx(self.key, retain_on_unpack=True):
                         act = tls.activation
-                        act.log = log
+                        act.log = None if whole else log
+                        if _trim_enabled and _early_drop_enabled and not whole:
+                            act.drop_unless = keep
                         try:
                             grads = torch.autograd.grad(
                                 outputs, x_req, self.cotangents, retain_graph=True,
@@ -313,10 +343,10 @@ class _Split:
                             _compile.explain_donated_buffers(err, self.who)
                             raise
                         finally:
-                            act.log = None
+                            act.log = act.drop_unless = None
                     if self.session_obj is None and len(act.session.frames):
                         self.session_obj = act.session  # frames found lazily (no prefire)
-                    if _trim_enabled:
+                    if _trim_enabled and not whole:  # the whole pass reads every tensor
                         trim_session(act.session, log, keep)
                     log.clear()
             finally:
@@ -457,7 +487,12 @@ def vjp_split(
 
     Every ``ckptfx.checkpoint`` / ``remat`` block inside ``fun`` runs twice in all (forward and
     one replay), and dx + dw do the work of one fused backward. Between dx and dw the session
-    holds only the replayed tensors dw reads (``ckptfx.recompute_session_stats()``).
+    holds only the replayed tensors dw reads (``ckptfx.recompute_session_stats()``). Where
+    the blocks are small (a rule on shapes, ``ckptfx._weight_calls``; never under DDP or
+    FSDP2) dw is instead one plain weight backward from the outputs, cheaper there than a
+    call per weight group: it recomputes the input-path gradients that lead to weights (a
+    custom Function or tensor hook there runs in dx and again in dw) and the session holds
+    every replayed tensor until dw. The gradients are the same, bit for bit.
 
     Example::
 
@@ -501,10 +536,7 @@ def grad_split(
         (loss, dx) = dx_fn(params, x, session=0)
         grads = dw_fn(0)
     """
-    if not callable(fun):
-        raise TypeError(f"grad_split: fun must be callable, got {type(fun).__name__}")
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"grad_split: has_aux must be a bool, got {type(has_aux).__name__}")
+    _check_fun(fun, has_aux, "grad_split")
     if isinstance(x_argnums, int) and not isinstance(x_argnums, bool):
         pass
     elif not isinstance(x_argnums, (tuple, list)) or not all(

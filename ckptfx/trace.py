@@ -166,9 +166,7 @@ class Tracer(_PackSide, _compat.TorchDispatchMode):
             if self.dist_log is not None and self.dist_log.pending:
                 self.dist_log.settle()
             if dist.outside(func, args):  # FSDP's own op: outside the block
-                out = func(*args, **kwargs)
-                dist.ran(func, args, out)
-                return out
+                return dist.run(func, args, kwargs)
             collective = _collectives.is_collective(func)
         seg = self.seg
         info = _OP_INFO.get(func) or _op_info(func)

@@ -3,6 +3,7 @@ has (checked by measurement on random blocks), planning once per signature, bad 
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from typing import Any, Callable
@@ -15,6 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import ckptfx
 from ckptfx import budget
 from ckptfx import checkpoint_policies as cp
+from ckptfx._budget_cut import CutModel, hull_at
+from ckptfx._budget_model import pareto
 from ckptfx._tracers import tracer_stack
 
 from conftest import assert_bitwise, grads
@@ -57,11 +60,11 @@ def backward_flops(fn: Callable[..., Any], *args: Any, seed: int = 0,
 class RandomBlock:
     """A random DAG of matmuls, elementwise ops, softmax, layer norm, dropout and views."""
 
-    def __init__(self, seed: int, d: int = 16) -> None:
+    def __init__(self, seed: int, d: int = 16, steps: tuple[int, int] = (4, 11)) -> None:
         rng = random.Random(seed)
         self.d = d
         self.steps: list[tuple[str, int, int]] = []
-        n = rng.randint(4, 11)
+        n = rng.randint(*steps)
         for i in range(n):
             kind = rng.choice(["mm", "mm", "relu", "tanh", "sigmoid", "mul", "add",
                                "softmax", "ln", "dropout", "t", "exp"])
@@ -118,12 +121,14 @@ def measure(block: Callable[..., Any], policy: Any, x: torch.Tensor, seed: int
     return nbytes, flops, g
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_budget_properties_on_random_blocks(seed: int) -> None:
-    """Measured on random blocks: exact; kept bytes within the budget and monotone in it;
+@pytest.mark.parametrize("seed, big", [*((s, False) for s in range(10)),
+                                       *((s, True) for s in (20, 21, 22))])
+def test_budget_properties_on_random_blocks(seed: int, big: bool) -> None:
+    """Measured on random blocks (``big``: more than EXACT_UNITS candidate ops, so the
+    solver's choice stands alone): exact; kept bytes within the budget and monotone in it;
     backward FLOPs never rise with it; 0.0 and 1.0 are nothing/everything_saveable; at the
     byte fraction dots_saveable keeps, no more FLOPs than dots_saveable."""
-    block = RandomBlock(seed)
+    block = RandomBlock(seed, steps=(14, 18)) if big else RandomBlock(seed)
     x = torch.randn(block.d, block.d, requires_grad=True)
     _, ref = backward_flops(block, x, seed=seed, params=tuple(block.weights))
     every_b, every_f, g = measure(block, cp.everything_saveable, x, seed)
@@ -144,6 +149,9 @@ def test_budget_properties_on_random_blocks(seed: int) -> None:
     if every_b:
         nbytes, flops, _ = measure(block, cp.memory_budget(dots_b / every_b), x, seed)
         assert flops <= dots_f and nbytes <= dots_b
+    if big:
+        (frontier,) = budget._plans[block].values()
+        assert frontier.units > budget.EXACT_UNITS
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -156,7 +164,7 @@ def test_the_planner_scores_what_the_tracer_does(seed: int) -> None:
     fn = ckptfx.remat(block, policy=cp.memory_budget(0.5))
     fn(x).sum().backward()
     (frontier,) = budget._plans[block].values()
-    assert frontier.exact == (frontier.units <= budget.EXACT_UNITS)
+    assert frontier.exact  # proven by the solver, or every subset scored
     for p in frontier.points:
         f = p.nbytes / frontier.everything.nbytes if frontier.everything.nbytes else 1.0
         chosen = ckptfx.remat(block, policy=cp.memory_budget(min(f, 1.0)))
@@ -166,6 +174,215 @@ def test_the_planner_scores_what_the_tracer_does(seed: int) -> None:
         assert kept_bytes(chosen, x) == p.nbytes
         flops, _ = backward_flops(chosen, x, seed=seed)
         assert flops - every_f == p.flops
+
+
+# -- the solver (ckptfx/_budget_cut.py) ------------------------------------------------------
+
+
+def plan(block: Callable[..., Any], x: torch.Tensor, monkeypatch: pytest.MonkeyPatch,
+         **options: Any) -> budget.Frontier:
+    """Plan ``block`` on ``x`` with ``Frontier.from_recording``'s ``options`` (e.g. no
+    exhaustive search), and return the frontier."""
+    real = budget.Frontier.from_recording.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(budget.Frontier, "from_recording",
+                        classmethod(lambda cls, t: real(cls, t, **options)))
+    torch.manual_seed(0)
+    ckptfx.remat(block, policy=cp.memory_budget(0.5))(x).sum().backward()
+    monkeypatch.undo()
+    (frontier,) = budget._plans[block].values()
+    return frontier
+
+
+def every_subset(frontier: budget.Frontier) -> list[budget.Point]:
+    """The exact frontier: every subset of the candidate ops scored."""
+    model = frontier.model
+    assert model is not None and len(model.units) <= budget.EXACT_UNITS
+    for r in range(len(model.units) + 1):
+        for combo in itertools.combinations(model.units, r):
+            model.score(frozenset(combo))
+    return pareto(model.memo.values())
+
+
+def optimum(points: list[budget.Point], limit: int) -> int:
+    return min(p.flops for p in points if p.nbytes <= limit)
+
+
+class TwoDropouts:
+    """Dropout of (dropout's output @ w): the second dropout continues the first's generator
+    and reads a value nothing packs, so the replay's frontier never keeps it (the cut model
+    is a bound only here, _budget_cut Rule 2)."""
+
+    d = 16
+
+    def __init__(self) -> None:
+        self.w = torch.randn(16, 16, generator=torch.Generator().manual_seed(0)) / 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(F.dropout(x @ self.w, 0.3) @ self.w, 0.3)
+
+
+class ViewWrite:
+    """In-place writes on a block's own value, one through a view of it (the cut model is a
+    bound only here: a pack of the value reads the decision of its first maker)."""
+
+    d = 16
+
+    def __init__(self) -> None:
+        self.w = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)) / 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w
+        h[0].mul_(2)
+        h.relu_()
+        return torch.tanh(h @ self.w)
+
+
+class Knapsack:
+    """Branches ``tanh(x[:, :k] @ w)`` of ``n`` columns: keeping one costs bytes in ``n``,
+    recomputing it FLOPs in ``k * n``, so between the hull's points the best choice is a
+    knapsack's, which the branch and bound must search for."""
+
+    d = 16
+
+    def __init__(self, ks: tuple[int, ...], ns: tuple[int, ...]) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ks, self.w = ks, [torch.randn(k, n, generator=g) / 4 for k, n in zip(ks, ns)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.tanh(x[:, :k] @ w) for k, w in zip(self.ks, self.w)], 1)
+
+
+# Random blocks of at most EXACT_UNITS candidate ops (every_subset checks), two that the cut
+# model only bounds, and knapsacks.
+SMALL: list[Any] = [2, 4, 6, 8, 14, 15, 18, 23, "two dropouts", "view write", "knapsack 3",
+                    "knapsack 4"]
+
+
+def small_block(seed: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    if seed == "two dropouts":
+        return TwoDropouts()
+    if seed == "view write":
+        return ViewWrite()
+    if seed == "knapsack 3":
+        return Knapsack((16, 9, 5), (3, 5, 7))
+    if seed == "knapsack 4":
+        return Knapsack((16, 12, 7, 3), (2, 3, 5, 7))
+    return RandomBlock(seed)
+
+
+@pytest.mark.parametrize("seed", SMALL)
+def test_the_cut_model_bounds_every_keep_set(seed: Any, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    """For weights a, b: no keep-set's a*FLOPs + b*bytes (as scored, i.e. as the tracer
+    does) is below the min cut's, so the model's hull bounds every keep-set; where the model
+    is exact, a cut's keep-set scores exactly the cut's FLOPs and bytes."""
+    block = small_block(seed)
+    frontier = plan(block, torch.randn(16, 16, requires_grad=True), monkeypatch)
+    assert frontier.model is not None
+    cut = CutModel(frontier.model, frontier.funcs)
+    assert cut.exact == (seed not in ("two dropouts", "view write"))
+    points = every_subset(frontier)
+    scored = list(frontier.model.memo.values())
+    for a, b in [(1, 0), (0, 1), (1, 1), (1, 64), (1, 4096), (3, 2**20), (1, 10**9)]:
+        c = cut.solve(a, b)
+        assert c is not None
+        least = min(a * p.flops + b * p.nbytes for p in scored)
+        assert a * c.w + b * c.nbytes <= least, (a, b)
+        if cut.exact and a and b:
+            p = frontier.model.score(c.keep)
+            assert (p.flops, p.nbytes) == (c.w, c.nbytes), (a, b)
+            assert a * c.w + b * c.nbytes == least
+    hull = [(c.nbytes, c.w) for c in cut.hull()]
+    for limit in sorted({p.nbytes for p in points} | {p.nbytes - 1 for p in points}):
+        if limit >= 0:
+            lb = hull_at(hull, limit)
+            assert lb is not None and lb <= optimum(points, limit), limit
+
+
+@pytest.mark.parametrize("seed", SMALL)
+def test_the_solver_finds_the_optimum_every_subset_finds(seed: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the exhaustive search: at every budget the solver's lower bound is at most
+    the best FLOPs of every subset, which is at most the choice's, and the solver proves
+    the choice optimal: it is that best. On the knapsacks the search proves more than the
+    hull alone does."""
+    block = small_block(seed)
+    frontier = plan(block, torch.randn(16, 16, requires_grad=True), monkeypatch,
+                    exhaustive_units=0)
+    assert not frontier.exhaustive and frontier.exact
+    proof = frontier.proof
+    assert proof is not None
+    if isinstance(seed, str) and seed.startswith("knapsack"):
+        assert any(proof.bounds[L] > hull_at(proof.hull, L) for L in proof.closed)
+    points = every_subset(frontier)
+    every = frontier.everything.nbytes
+    fractions = {*FRACTIONS, *(p.nbytes / every for p in points if every)}
+    for f in sorted(fractions):
+        f = min(f, 1.0)
+        choice, limit = frontier.choose(f), frontier.budget_bytes(f)
+        best = optimum(points, limit)
+        lb = frontier.lower_bound(limit)
+        assert lb is not None and lb <= best <= choice.flops, (f, lb, best, choice.flops)
+        assert choice.flops == best, f
+        assert "exact" in frontier.proven(choice, limit)
+
+
+def test_the_solver_beats_the_greedy_chains_on_a_knapsack(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Past EXACT_UNITS, where greedy chains were all a budget had: on a knapsack the
+    solver's choice, measured, recomputes fewer FLOPs than the best greedy-chain point that
+    fits, and is proven optimal."""
+    block = Knapsack((14, 2, 10, 11, 5, 6), (11, 10, 7, 11, 2, 2))
+    x = torch.randn(8, 16, requires_grad=True)
+    frontier = plan(block, x, monkeypatch)
+    assert frontier.units > budget.EXACT_UNITS and frontier.exact and frontier.model
+    greedy = frontier.model.fresh()
+    greedy.greedy_add()
+    greedy.greedy_remove()
+    chains = pareto(greedy.memo.values())
+    every_f, _ = backward_flops(ckptfx.remat(block, policy=cp.everything_saveable), x)
+    beaten = 0
+    for p in frontier.points:
+        f = p.nbytes / frontier.everything.nbytes
+        fitting = [q.flops for q in chains if q.nbytes <= p.nbytes]
+        if p.flops < min(fitting):
+            fn = ckptfx.remat(block, policy=cp.memory_budget(min(f, 1.0)))
+            assert frontier.choose(min(f, 1.0)) is p
+            flops, _ = backward_flops(fn, x)
+            assert flops - every_f == p.flops < min(fitting)
+            beaten += 1
+    assert beaten
+
+
+@pytest.mark.parametrize("max_cuts", [12, 40])
+def test_a_stopped_solver_reports_a_bound(max_cuts: int, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """With too few cuts to finish, the choice carries the bound it proved: at most the
+    optimum (the unstopped solver's, proven), which is at most the choice; the properties
+    still hold, since every candidate was scored."""
+    block, _ = transformer_block()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    full = plan(block, x, monkeypatch)
+    budget._plans.pop(block)
+    stopped = plan(block, x, monkeypatch, max_cuts=max_cuts)
+    assert full.exact and full.units > budget.EXACT_UNITS and not stopped.exact
+    assert stopped.proof is not None and stopped.proof.cuts <= max_cuts
+    budget._plans.pop(block)
+    again = plan(block, x, monkeypatch, max_cuts=max_cuts)  # work is counted, not timed
+    assert again.points == stopped.points and again.proof is not None
+    assert again.proof.bounds == stopped.proof.bounds
+    prev = None
+    texts = set()
+    for f in FRACTIONS:
+        choice, limit = stopped.choose(f), stopped.budget_bytes(f)
+        best = full.choose(f).flops
+        lb = stopped.lower_bound(limit)
+        assert lb is not None and lb <= best <= choice.flops
+        texts.add(stopped.proven(choice, limit))
+        if prev is not None:
+            assert choice.nbytes >= prev.nbytes and choice.cost <= prev.cost
+        prev = choice
+    assert any(t.startswith("within ") and "%) of optimal" in t for t in texts), texts
 
 
 def transformer_block(d: int = 32, heads: int = 4) -> tuple[Callable[..., Any], list]:
@@ -267,6 +484,7 @@ def test_print_saved_residuals_shows_the_choice(capsys: pytest.CaptureFixture[st
     ckptfx.print_saved_residuals(fn, x)
     text = capsys.readouterr().out
     assert "memory_budget(0.5): keeps" in text and "of everything" not in text
+    assert "exact: " in text  # what was proved of the choice
     assert "this call planned" in text  # the first call planned; the list is a later call's
     assert "output of aten" in text  # the listed residuals are what the plan keeps
     ckptfx.print_saved_residuals(fn, x)

@@ -206,3 +206,20 @@ def test_offloaded_residuals_live_on_the_host_and_are_not_recomputed() -> None:
     # h is not recomputed (no tanh, not x @ w); only relu's input h @ w.T is, which this
     # policy does not keep.
     assert bwd_log.ops["tanh"] == 0 and bwd_log.ops["mm"] == plain_bwd_log.ops["mm"] + 1
+
+
+def test_policies_pickle_under_their_public_path() -> None:
+    """A saved model carries its blocks' policies; the pickle names ``ckptfx.policies``, so
+    moving a class between ckptfx's private modules never breaks a saved model."""
+    import pickle
+
+    for p in (cp.dots_saveable, cp.nothing_saveable, cp.everything_saveable,
+              cp.save_only_these_names("a"), cp.save_any_names_but_these("a"),
+              cp.save_from_both_policies(cp.dots_saveable, cp.save_only_these_names("a")),
+              cp.save_and_offload_only_these_names(
+                  names_which_can_be_saved=[], names_which_can_be_offloaded=["h"],
+                  offload_dst="cpu"),
+              cp.offload_dot_with_no_batch_dims()):
+        data = pickle.dumps(p)
+        assert b"ckptfx.policies" in data and b"_policy_factories" not in data
+        assert pickle.loads(data) == p

@@ -1,0 +1,140 @@
+"""How the split's weight pass calls the engine (``ckptfx._weight_calls``) and when dx frees
+the replayed tensors only it reads (``ckptfx.split`` Rule 4).
+
+Parity is bitwise against a fused backward without any checkpoint; work is counted (block
+runs, a custom Function's backward calls, engine groups), never timed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ckptfx
+import ckptfx._weight_calls as weight_calls
+
+from conftest import assert_bitwise
+
+pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
+
+
+class _Scale(torch.autograd.Function):
+    """x * 2 with a counted backward (a custom node on the input path)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        _Scale.calls += 1
+        return g * 2
+
+
+def _weights(n: int = 2, d: int = 8, h: int = 16) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    ws = []
+    for _ in range(n):
+        ws += [torch.randn(h, d, requires_grad=True), torch.randn(h, requires_grad=True),
+               torch.randn(d, h, requires_grad=True)]
+    return ws
+
+
+def _block(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+           runs: list[int]) -> torch.Tensor:
+    runs[0] += 1
+    h = F.dropout(F.gelu(F.linear(_Scale.apply(x), w1, b1)), 0.25, True)
+    return x + F.linear(h, w2)
+
+
+def _fun(x: torch.Tensor, ws: list[torch.Tensor], runs: list[int], ck: bool) -> torch.Tensor:
+    for i in range(0, len(ws), 3):
+        args = (x, *ws[i:i + 3], runs)
+        x = ckptfx.checkpoint(_block, *args) if ck else _block(*args)
+    return x
+
+
+@pytest.mark.parametrize("mode", ["per_group", "whole"])
+def test_weight_passes_bitwise_counted(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both passes give the fused gradients bit for bit with one replay per block; the whole
+    pass runs an input-path custom backward that leads to weights once more (in dw), the
+    per-group pass not."""
+    monkeypatch.setattr(weight_calls, "_force", mode)
+    ws = _weights()
+    x, g = torch.randn(3, 8), torch.randn(3, 8)
+    torch.manual_seed(5)
+    xr = x.clone().requires_grad_()
+    ref = torch.autograd.grad(_fun(xr, ws, [0], False), [xr, *ws], g)
+    runs = [0]
+    torch.manual_seed(5)
+    _, dx_fn, dw_fn = ckptfx.vjp_split(lambda t: _fun(t, ws, runs, True), x, params=ws)
+    _Scale.calls = 0
+    dx = dx_fn(g)
+    assert _Scale.calls == 2  # one per block, as in a fused backward
+    split = dx_fn._split
+    assert len(split.groups) == (1 if mode == "whole" else 4)  # (w1, b1) and w2, per block
+    dw_fn()
+    # The whole pass re-runs the second block's (its input leads to the first block's
+    # weights), not the first block's (its input is x, no weight).
+    assert _Scale.calls == (3 if mode == "whole" else 2)
+    assert runs == [4]  # two blocks: forward + one replay each
+    assert_bitwise([dx, *(w.grad for w in ws)], ref)
+
+
+def test_rule_is_a_function_of_shapes() -> None:
+    """Small blocks take the whole pass, large ones the per-group pass; no weights: per group."""
+    small = [torch.zeros(256, 64), torch.zeros(256), torch.zeros(64, 256), torch.zeros(64)]
+    act = torch.zeros(8, 64)
+    assert weight_calls.whole_backward_pays([act], [act], small)
+    large = [torch.zeros(1024, 256), torch.zeros(1024), torch.zeros(256, 1024)]
+    seq = torch.zeros(8, 128, 256)
+    assert not weight_calls.whole_backward_pays([seq], [seq], large)
+    # A scalar loss (grad_split) takes its rows from the inputs.
+    assert not weight_calls.whole_backward_pays([torch.zeros(())], [seq], large)
+    assert not weight_calls.whole_backward_pays([act], [act], [])
+
+
+def test_split_follows_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    ws = _weights()
+    x, g = torch.randn(3, 8), torch.randn(3, 8)
+    for limit, groups in ((weight_calls.ENGINE_CALL_FLOPS, 1), (0, 4)):
+        monkeypatch.setattr(weight_calls, "ENGINE_CALL_FLOPS", limit)
+        _, dx_fn, dw_fn = ckptfx.vjp_split(lambda t: _fun(t, ws, [0], True), x, params=ws)
+        dx_fn(g)
+        assert len(dx_fn._split.groups) == groups
+        dw_fn()
+    for w in ws:
+        w.grad = None
+
+
+def test_dx_frees_what_only_it_reads_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per group, a replayed tensor read only by dx (the GELU input, the dropout mask) is
+    dropped at its read, before dx ends, as a fused backward frees it; what dw reads stays."""
+    monkeypatch.setattr(weight_calls, "_force", "per_group")
+    ws = _weights()
+    x, g = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
+    torch.manual_seed(5)
+    xr = x.detach().clone().requires_grad_()
+    ref = torch.autograd.grad(_fun(xr, ws, [0], False), ws, g)
+    torch.manual_seed(5)
+    _, dx_fn, dw_fn = ckptfx.vjp_split(lambda t: _fun(t, ws, [0], True), x, params=ws)
+    dx_fn.prefire()
+    frames = [h.frame for h in dx_fn._split.handles]
+
+    def held() -> list[int]:
+        return [sum(t is not None for t in f.replays[f.session]) for f in frames]
+
+    after_prefire = held()
+    inside: list[list[int]] = []
+    # The last block's tensors are read first; x's gradient is dx's last step, before dx ends.
+    x.register_hook(lambda grad: inside.append(held()))
+    dx_fn(g)
+    after_dx = held()
+    assert inside and inside[0][1] < after_prefire[1]  # dropped while dx was running
+    assert inside[0][1] == after_dx[1]
+    assert all(a < b for a, b in zip(after_dx, after_prefire))
+    dw_fn()
+    assert_bitwise([w.grad for w in ws], ref)
