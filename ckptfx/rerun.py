@@ -29,8 +29,8 @@ Rules
    read from outside its arguments must live in a module the block belongs to (a
    parameter, a buffer or a tensor attribute of the module it is a method of, or of a
    module its closure holds; autocast's cached cast of such a parameter counts as the
-   parameter): a re-run reads it where it finds it when it runs, so a later call checks it
-   is still there (Rule 4a). A closure's or a global's tensor cannot be checked so. Otherwise
+   parameter): a re-run reads it where it finds it when it runs, so a later call notes what
+   is there (Rule 4a). A closure's or a global's tensor cannot be found so. Otherwise
    every call with that signature is recorded (the signature includes the training flag of
    the module the block is a method of).
 3. An unrecorded call is a frame as ``ckptfx.checkpoint`` makes one: the forward runs under
@@ -38,12 +38,15 @@ Rules
    under the kernel's deterministic early stop and its checks (frame.py Rules 5 and 6), with
    the forward's RNG and autocast state.
 4. What a later call may do differently is caught in its replay, never passed on:
-   a. the tensors the first call read from outside its arguments must still be where it
-      found them when a later call starts, else that call is recorded and its recording
-      decides anew (``torch.func.functional_call`` swaps parameters in for the call only: a
-      re-run in the backward would read the module's own, where torch's checkpoint's does);
-      and the replay checks that they were not modified in place since this call's
-      forward, as a recorded replay does (``segment.check_outside``);
+   a. a later call notes, when it starts, the tensor at each place the first call read one
+      from (what its forward reads) and its version, or is recorded, and its recording
+      decides anew, if a place is gone. The replay checks that none was modified in place
+      since, as a recorded replay does (``segment.check_outside``), and puts back any that
+      is no longer in its place for the re-run's duration: ``torch.func.functional_call``
+      swaps tensors in for the forward only, and a re-run in the backward would read the
+      module's own (torch's checkpoint does: wrong gradients). The module's attribute is
+      restored when the re-run ends; another thread reading it meanwhile sees the
+      forward's tensor, as it would during the forward under ``functional_call``;
    b. the re-run runs under a dispatch mode (``_DrawWatch``) that raises ``CheckpointError``
       at a draw from an explicit generator, or on a device whose generator state the frame
       did not capture: the forward drew from a state nobody kept, so the replay cannot draw
@@ -93,32 +96,35 @@ def keeps_nothing(policy: Any) -> bool:
     return policy is None or (isinstance(policy, MemoryBudget) and policy.fraction == 0.0)
 
 
+# What a call's forward reads from outside its arguments (Rule 4a): the dict it is found in
+# (a module's ``_parameters``, ``_buffers`` or ``__dict__``), its name there, the tensor and
+# its version at the call's start.
+Outside = list[tuple[dict[str, Any], str, torch.Tensor, int]]
+
+
 class _Unrecorded:
     """Entry: calls with this signature run unrecorded. ``places`` say where the tensors the
-    first call read from outside its arguments live: (module, its ``_parameters`` or
-    ``_buffers`` or None for a plain attribute, name, tensor), all weakly (Rule 4a)."""
+    first call read from outside its arguments live: (module, ``"_parameters"``,
+    ``"_buffers"`` or None for a plain attribute, name), the module weakly (Rule 4a)."""
 
     __slots__ = ("places",)
 
-    def __init__(self, places: Sequence[tuple[torch.nn.Module, str | None, str, torch.Tensor]]
-                 ) -> None:
-        self.places = tuple((weakref.ref(m), store, name, weakref.ref(t))
-                            for m, store, name, t in places)
+    def __init__(self, places: Sequence[tuple[torch.nn.Module, str | None, str]]) -> None:
+        self.places = tuple((weakref.ref(m), store, name) for m, store, name in places)
 
-    def current(self) -> list[tuple[torch.Tensor, int]] | None:
-        """Each outside tensor and its version now, or None if one is no longer where the
-        first call found it (a ``torch.func.functional_call`` swapped it in or out, the
-        attribute was reassigned): the re-run would read another tensor than this call."""
-        found: list[tuple[torch.Tensor, int]] = []
-        for mref, store, name, tref in self.places:
+    def current(self) -> Outside | None:
+        """What is at each place now, which this call's forward reads (a
+        ``torch.func.functional_call`` may have swapped it in), or None if a place is gone."""
+        found: Outside = []
+        for mref, store, name in self.places:
             m: torch.nn.Module | None = mref()
-            t: torch.Tensor | None = tref()
-            if m is None or t is None:
+            if m is None:
                 return None
-            found.append((t, t._version))
-            now = (m.__dict__ if store is None else m.__dict__[store]).get(name)
-            if now is not t:
+            where = m.__dict__ if store is None else m.__dict__[store]
+            t = where.get(name)
+            if not isinstance(t, torch.Tensor):
                 return None
+            found.append((where, name, t, t._version))
         return found
 
 
@@ -138,10 +144,10 @@ class Plan:
         self.fun = fun
         self.owners = owners  # modules the block is part of (where its outside tensors live)
         self.entry = entry = cache.get(key)
-        self.outside: list[tuple[torch.Tensor, int]] | None = None
+        self.outside: Outside | None = None
         if entry.__class__ is _Unrecorded:
             self.outside = entry.current()
-            if self.outside is None:  # Rule 4a: the block would read other tensors now
+            if self.outside is None:  # Rule 4a: a place the first call read from is gone
                 self.entry = None  # recorded, and what it shows replaces the entry
         self.frames = 0
         self.ops_at_last_pack = 0  # ops recorded when the last tensor was packed (Rule 2)
@@ -241,7 +247,7 @@ def _modules_near(owners: list[torch.nn.Module], fun: Callable[..., Any]
 
 
 def _places(outside: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]
-            ) -> list[tuple[torch.nn.Module, str | None, str, torch.Tensor]] | None:
+            ) -> list[tuple[torch.nn.Module, str | None, str]] | None:
     """Where each of ``outside`` lives below ``modules`` (a parameter, a buffer or a plain
     tensor attribute of one of their submodules), or None if one lives elsewhere."""
     if not outside:
@@ -262,7 +268,7 @@ def _places(outside: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]
         w = where.get(id(t if source is None else source))
         if w is None:
             return None
-        places.append((*w, t if source is None else source))
+        places.append(w)
     return places
 
 
@@ -324,14 +330,29 @@ class _Rerun:
 
     __slots__ = ("outside",)
 
-    def __init__(self, outside: list[tuple[torch.Tensor, int]]) -> None:
+    def __init__(self, outside: Outside) -> None:
         self.outside = outside
 
     def __call__(self, frame: Frame, tensors: Replay) -> None:
-        for t, version in self.outside:
-            check_outside(t, version)
-        with _DrawWatch(frame):
-            rerun_function(frame, tensors)
+        swapped: list[tuple[dict[str, Any], str, Any]] = []
+        try:
+            for where, name, t, version in self.outside:
+                check_outside(t, version)
+                now = where.get(name, _ABSENT)
+                if now is not t:  # the forward ran inside torch.func.functional_call, say:
+                    swapped.append((where, name, now))  # the re-run reads what it read
+                    where[name] = t
+            with _DrawWatch(frame):
+                rerun_function(frame, tensors)
+        finally:
+            for where, name, now in reversed(swapped):
+                if now is _ABSENT:
+                    del where[name]
+                else:
+                    where[name] = now
+
+
+_ABSENT = object()
 
 
 class _DrawWatch(_compat.TorchDispatchMode):

@@ -369,18 +369,21 @@ def test_only_generators_a_replay_restores_count_as_restored() -> None:
                          torch.device("cpu"))
 
 
-def test_functional_call_with_new_parameters_each_call_stays_exact() -> None:
+@pytest.mark.parametrize("fresh", [True, False], ids=["new-params", "same-params"])
+def test_functional_call_stays_exact_when_unrecorded(fresh: bool) -> None:
     """Differential: under torch.func.functional_call a re-run in the backward would read the
     module's own parameters, not the ones passed in (torch's checkpoint gives wrong
-    gradients here); remat sees that the first call's parameters are no longer the module's
-    and records the call."""
+    gradients here); an unrecorded call's replay puts the tensors its forward read back in
+    their places for the re-run, with new tensors each call or the same ones."""
 
     class Blk(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.lin = nn.Linear(4, 4)
+            self.calls = 0
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
             return self.lin(x).sin()
 
     class Outer(nn.Module):
@@ -394,20 +397,26 @@ def test_functional_call_with_new_parameters_each_call_stays_exact() -> None:
 
     torch.manual_seed(0)
     blk = Blk()
+    own = [p.detach().clone() for p in blk.parameters()]
     rematted = ckptfx.remat(blk.forward)
     x = torch.randn(3, 4, requires_grad=True)
     remat_outer = Outer(lambda b, x: rematted(x))
     torch_outer = Outer(lambda b, x: tcp.checkpoint(b, x, use_reentrant=False))
+    params = {}
     for call in range(3):
-        params = {f"blk.{k}": (v.detach() * (2 + call)).requires_grad_()
-                  for k, v in blk.named_parameters()}
+        if fresh or not params:
+            params = {f"blk.{k}": (v.detach() * (2 + call)).requires_grad_()
+                      for k, v in blk.named_parameters()}
         leaves = [x, *params.values()]
         ref = torch.autograd.grad(torch.sin(F.linear(x, *params.values())).sum(), leaves)
         out = torch.func.functional_call(remat_outer, params, (x,))
+        before = blk.calls
         assert_bitwise(torch.autograd.grad(out.sum(), leaves), ref)
+        assert blk.calls - before == (0 if call == 0 else 1)  # later calls: unrecorded
         out = torch.func.functional_call(torch_outer, params, (x,))
         theirs = torch.autograd.grad(out.sum(), leaves)
         assert not all(torch.equal(a, b) for a, b in zip(theirs, ref))
+    assert all(torch.equal(a, b) for a, b in zip(blk.parameters(), own))  # put back
 
 
 def test_outside_tensors_that_no_module_holds_keep_the_block_recorded() -> None:
