@@ -284,6 +284,21 @@ def _bench(args: argparse.Namespace) -> None:
     from . import bench
     from .bench.variants import VARIANTS
 
+    if args.rounds is not None and args.rounds < 1:
+        raise UsageError(f"--rounds expects a positive integer, got {args.rounds}")
+    if args.overhead:
+        for flag, given in (("--out", args.out), ("--variants", args.variants),
+                            ("--full", args.full), ("--markdown", args.markdown)):
+            if given:
+                raise UsageError(f"{flag} belongs to the decoder benchmark; --overhead takes "
+                                 f"--quick, --only and --rounds")
+        if args.device != "cpu":
+            raise UsageError("--overhead measures CPU time on one thread: drop --device")
+        from .bench import overhead
+        overhead.run(args.only, args.quick or args.tiny, args.rounds)
+        return
+    if args.only is not None or args.rounds is not None:
+        raise UsageError("--only and --rounds belong to --overhead")
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     variants = None
     if args.variants:
@@ -358,6 +373,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                    help="memory subprocesses at a time (default: one per core, at most 4)")
     b.add_argument("--markdown", action="store_true",
                    help="also print the headline table as markdown")
+    b.add_argument("--overhead", action="store_true",
+                   help="instead: per-call overhead where blocks are small (remat's forward, "
+                        "the split backward), ratios to torch in one run")
+    b.add_argument("--only", choices=("remat", "split", "vjp256"),
+                   help="with --overhead: one part only")
+    b.add_argument("--rounds", type=int, help="with --overhead: rounds per figure")
     return parser, subs
 
 

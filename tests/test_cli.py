@@ -172,6 +172,10 @@ def test_parse_policy_factories_with_arguments() -> None:
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")),
     (["bench", "--threads", "0"], "--threads expects a positive integer"),
     (["bench", "--quick", "--full"], "not allowed with argument"),
+    (["bench", "--overhead", "--out", "x"], "--out belongs to the decoder benchmark"),
+    (["bench", "--overhead", "--rounds", "0"], "--rounds expects a positive integer"),
+    (["bench", "--overhead", "--only", "bogus"], "invalid choice: 'bogus'"),
+    (["bench", "--only", "remat"], "--only and --rounds belong to --overhead"),
     (["nocommand"], "invalid choice: 'nocommand'"),
 ])
 def test_usage_errors_exit_2(argv: list[str], message: str, user_module: Path,
@@ -237,3 +241,16 @@ def test_bench_tiny_writes_results_and_plots(tmp_path: Path, plain: None,
     written = write_outputs(res, str(again))
     assert sorted(os.listdir(again)) == ["results.json", "table.md"] and len(written) == 2
     assert 'the PNG plots need matplotlib: pip install "ckptfx[plot]"' in capsys.readouterr().out
+
+
+def test_bench_overhead_runs_from_the_package(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``ckptfx bench --overhead`` (issue 17's figures) runs from an installed ckptfx, in any
+    directory; one round of remat's part is a smoke run."""
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    cli.main(["bench", "--overhead", "--quick", "--only", "remat", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "nothing_saveable / torch checkpoint:" in out and "dots_saveable / torch SAC:" in out
+    assert torch.get_num_threads() == threads  # the one-thread setting is put back

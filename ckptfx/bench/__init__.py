@@ -10,6 +10,7 @@ from the same run.
 
 Modules: ``llama`` (the model), ``variants`` (the registry), ``memory`` (how peaks are read),
 ``measure`` (a measuring subprocess), ``split`` (replay counts), ``sweep`` (one run),
+``overhead`` (``--overhead``: per-call costs where blocks are small, against torch),
 ``report`` (tables), ``plot`` (PNGs).
 """
 
