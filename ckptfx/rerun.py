@@ -28,8 +28,9 @@ Rules
    an op (``.item()``, ``bool(t)``): no saved tensor needs that read. Last, every tensor it
    read from outside its arguments must live in a module the block belongs to (a
    parameter, a buffer or a tensor attribute of the module it is a method of, or of a
-   module its closure holds; autocast's cached cast of such a parameter counts as the
-   parameter): a re-run reads it where it finds it when it runs, so a later call notes what
+   module its closure holds), at one place only (not a tied weight, not a cast made
+   before the block, such as autocast's cached cast, which nothing could check later): a
+   re-run reads it where it finds it when it runs, so a later call notes what
    is there (Rule 4a). A closure's or a global's tensor cannot be found so. Otherwise
    every call with that signature is recorded (the signature includes the training flag of
    the module the block is a method of).
@@ -249,40 +250,37 @@ def _modules_near(owners: list[torch.nn.Module], fun: Callable[..., Any]
 def _places(outside: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]
             ) -> list[tuple[torch.nn.Module, str | None, str]] | None:
     """Where each of ``outside`` lives below ``modules`` (a parameter, a buffer or a plain
-    tensor attribute of one of their submodules), or None if one lives elsewhere."""
+    tensor attribute of one of their submodules), or None if one lives elsewhere, or at two
+    places (tied weights: ``functional_call`` may swap one place and not the other, and the
+    re-run must read each where the forward did) or is a copy made outside (a cast: the cast
+    tensor, not the module's, is what the forward read, and nothing checks it later)."""
     if not outside:
         return []
-    where: dict[int, tuple[torch.nn.Module, str | None, str]] = {}
+    where: dict[int, list[tuple[torch.nn.Module, str | None, str]]] = {}
     for top in modules:
         for m in top.modules():
             for store in ("_parameters", "_buffers"):
                 for name, t in m.__dict__[store].items():
                     if t is not None:
-                        where.setdefault(id(t), (m, store, name))
+                        _add_place(where, t, (m, store, name))
             for name, t in m.__dict__.items():
                 if isinstance(t, torch.Tensor):
-                    where.setdefault(id(t), (m, None, name))
+                    _add_place(where, t, (m, None, name))
     places = []
     for t in outside:
-        source = _cast_source(t)  # autocast's cached cast of a parameter: that parameter
-        w = where.get(id(t if source is None else source))
-        if w is None:
+        w = where.get(id(t))
+        if w is None or len(w) != 1:
             return None
-        places.append(w)
+        places.append(w[0])
     return places
 
 
-def _cast_source(t: torch.Tensor) -> torch.Tensor | None:
-    """The parameter ``t`` is autocast's cached cast of (a cast made before the block, in the
-    same autocast region), or None. A re-run casts that parameter again, or reads the same
-    cache: the same values, as long as the parameter is where it was and unchanged."""
-    node = t.grad_fn
-    if node is None or type(node).__name__ != "ToCopyBackward0":
-        return None
-    edges = node.next_functions
-    if len(edges) != 1 or edges[0][0] is None:
-        return None
-    return getattr(edges[0][0], "variable", None)
+def _add_place(where: dict[int, list[tuple[torch.nn.Module, str | None, str]]],
+               t: torch.Tensor, place: tuple[torch.nn.Module, str | None, str]) -> None:
+    # A module reached twice (shared submodule) is one place, not an alias.
+    found = where.setdefault(id(t), [])
+    if not any(p[0] is place[0] and p[1:] == place[1:] for p in found):
+        found.append(place)
 
 
 def _learn(tracer: Any, frame: Frame, ops_at_last_pack: int,

@@ -71,10 +71,15 @@ def test_later_calls_run_unrecorded_and_match_plain_and_torch(policy: str, bf16:
     rematted = ckptfx.remat(block.forward, policy=pol)
     torch_ckpt = lambda x: tcp.checkpoint(block, x, use_reentrant=False)  # noqa: E731
     x = torch.randn(4, 8)
-    with maybe_autocast(bf16):
-        for call in range(3):
+    for call in range(3):
+        # One autocast region per step, as a training loop has: a region shared with the
+        # plain step would hand the block autocast's cached casts (a cast made outside the
+        # block keeps it recorded: test_a_block_reading_a_cast_made_before_it_stays_recorded).
+        with maybe_autocast(bf16):
             ref, plain_runs, _ = _step(block, block, x, call)
+        with maybe_autocast(bf16):
             got, runs, recorded = _step(rematted, block, x, call)
+        with maybe_autocast(bf16):
             theirs, torch_runs, _ = _step(torch_ckpt, block, x, call)
             assert_bitwise(got, ref)
             assert_bitwise(theirs, ref)
@@ -444,3 +449,63 @@ def test_outside_tensors_that_no_module_holds_keep_the_block_recorded() -> None:
             seen.append(modes[-1] > 0)
             out.sum().backward()
         assert seen == want, block.__name__
+
+
+def test_a_block_reading_a_cast_made_before_it_stays_recorded() -> None:
+    """A tensor the block reads that is a cast made before it (autocast's cached cast of a
+    weight used earlier in the region, or a closure's ``.to()`` copy) is not the module's
+    tensor, and nothing could check it later: every call stays recorded, and an in-place
+    change of the copy between forward and backward is refused, as plain autograd refuses
+    it."""
+    lin = nn.Linear(4, 4)
+    w64 = lin.weight.to(torch.float64)
+    block = ckptfx.remat(lambda x: torch.tanh(x @ w64.t()))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for _ in range(2):
+        block(x.clone().requires_grad_()).sum().backward()
+    out = block(x.clone().requires_grad_())
+    assert _modes() == 0
+    with torch.no_grad():
+        w64.mul_(2)
+    with pytest.raises((RuntimeError, ckptfx.CheckpointError)):
+        out.sum().backward()
+    # autocast's cache: the weight was cast before the block in the same region.
+    m = Block()
+    rematted = ckptfx.remat(m.forward)
+    xb = torch.randn(4, 8)
+    for call in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref, _, _ = _step(m, m, xb, call)
+            got, runs, recorded = _step(rematted, m, xb, call)
+        assert_bitwise(got, ref)
+        assert (recorded, runs) == (True, 0)
+
+
+def test_tied_weights_under_functional_call_stay_exact() -> None:
+    """A weight at two places (tied) is read where the forward read each: such a block stays
+    recorded, so ``functional_call`` swapping one of the places is exact."""
+    from torch.func import functional_call
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.b(torch.tanh(self.a(x))))
+
+    torch.manual_seed(0)
+    plain, m = Tied(), Tied()
+    m.load_state_dict(plain.state_dict())
+    m.forward = ckptfx.remat(m.forward)  # type: ignore[method-assign]
+    x = torch.randn(3, 4)
+    m(x.clone().requires_grad_()).sum().backward()  # the first call: recorded, learns
+    w2 = torch.randn(4, 4, requires_grad=True)
+    grads = []
+    for mod in (plain, m):
+        xs = x.clone().requires_grad_()
+        w2.grad = None
+        functional_call(mod, {"a.weight": w2}, (xs,)).sum().backward()
+        grads.append((xs.grad, w2.grad))
+    assert_bitwise(grads[1], grads[0])
