@@ -13,7 +13,7 @@ from . import _compat, _compile
 from ._debug import DebugLogs
 from . import _collectives
 from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
-from .refill import plain_saves, scope_on_top
+from .refill import first_node, plain_saves, scope_on_top
 from .policies import NameCheck, NothingSaveable, check_policy, name_check
 from .session import collect, uncollect
 
@@ -238,6 +238,7 @@ def run_checkpointed(
                       determinism_check=determinism_check, early_stop=early_stop,
                       recompute_ctx=recompute_ctx, debug=logs)
     handles = collect(frame)
+    first = first_node() if refill is not None else None
     suppressed = True
     _compat.push_saved_tensors_hooks(frame.pack, unpack_hook)
     try:
@@ -258,7 +259,7 @@ def run_checkpointed(
         )
     frame.forward_finished(out)
     if refill is not None:
-        refill.register(frame, out, args)
+        refill.register(frame, out, args, first_node=first)
     return out
 
 

@@ -20,6 +20,18 @@ Rules
    alive for its outputs (it would keep its inputs alive instead). The map holds tensors
    and frames weakly and is emptied when the context exits: nothing outlives it.
 
+   2b. What "the block made" means depends on what the replay can vouch for. A recorded
+   remat frame knows it (the output's value was made by a recorded op), and its replay
+   checks every outside tensor it reads. A frame whose replay re-runs the Python function
+   (``ckptfx.checkpoint``, remat's unrecorded calls) reads outside tensors when it runs:
+   its output is registered only if autograd shows the block made its storage (the base's
+   node is newer than the block's start). An output that is, or views, a buffer, a global
+   or a parameter, or that autograd does not track (a no-grad result of a buffer), is
+   saved as it is, so changing that tensor before the backward gives what plain autograd
+   gives. What remains is the contract torch's checkpoint puts on its saved tensors, now
+   on the refilled outputs too: a re-run block must not read a tensor or Python state that
+   changes between its forward and its backward (remat's recorded calls check tensors).
+
 3. A pack of a registered output at the version it had when the block returned, or of a
    view of it with its dtype (``linear`` on a 3-d input saves ``x.view(-1, d)``), becomes a
    ``_Handle``: the frame, the output's position, the view's geometry, weak references to
@@ -294,8 +306,9 @@ class _Scope:
         return _Handle(frame, output, x, base)
 
     def register(self, frame: Frame, out: Any, inputs: Sequence[Any],
-                 tracer: Any = None) -> None:
-        """Rule 2, at the end of ``frame``'s forward (``tracer``: a remat frame's)."""
+                 tracer: Any = None, first_node: int | None = None) -> None:
+        """Rule 2, at the end of ``frame``'s forward (``tracer``: a remat frame's;
+        ``first_node``: ``first_node()`` when the block's forward began)."""
         if frame.refill is not None or not any(ref() is not None for ref in frame.holders):
             return
         storages = {a.untyped_storage().data_ptr() for a in inputs
@@ -314,6 +327,8 @@ class _Scope:
                 if slot is None or tracer.root[slot] >= 0:  # not made by the block's ops
                     continue
                 targets.append((slot, tracer.seg.version(slot)))
+            elif not _made_in_block(y, first_node):
+                continue
             leaves.append(i)
             metas.append(_meta(y))
             chosen.append(y)
@@ -325,6 +340,23 @@ class _Scope:
         for j, y in enumerate(chosen):
             key = id(y)
             outputs[key] = (weakref.ref(y, _forget(outputs, key)), frame_ref, j, y._version)
+
+
+def first_node() -> int:
+    """The sequence number the next autograd node made on this thread gets: taken when a
+    block's forward begins, it tells which outputs' storages the block made (Rule 2)."""
+    return int(torch._C._autograd._get_sequence_nr())
+
+
+def _made_in_block(y: torch.Tensor, first: int | None) -> bool:
+    # An unrecorded frame (ckptfx.checkpoint, remat's unrecorded calls) knows nothing of
+    # the tensors its function read from outside: its replay reads them when it runs. Its
+    # output is refilled only if autograd shows the block made its storage (the base's node
+    # is the block's), so an output that is, or views, a tensor from outside (a buffer, a
+    # global, a parameter), or that autograd does not track, is saved as it is.
+    base = y._base if y._base is not None else y
+    node = base.grad_fn
+    return first is not None and node is not None and node._sequence_nr() >= first
 
 
 def _forget(outputs: dict[int, Entry], key: int) -> Callable[[Any], None]:
@@ -394,7 +426,11 @@ def refill_outputs() -> Iterator[None]:
       ``Linear`` on a 3-d input saves a reshaped view). Under autocast an op may save a cast
       copy instead (a ``Linear`` after a float32 norm): that copy is an ordinary saved tensor,
       as it is without the context. Outputs that alias the block's inputs, and outputs of a
-      block that saved nothing, stay as they are.
+      block that saved nothing, stay as they are. A ``ckptfx.checkpoint`` block's replay
+      re-runs its function, reading outside tensors when it runs: its outputs are refilled
+      only where autograd shows the block made them (not a view of a buffer or global, not
+      an untracked result), and, as with torch's checkpoint, what the block reads must not
+      change between forward and backward; a recorded ``remat`` block checks that itself.
     - Where it does nothing: entered while other saved-tensor hooks are active (inside a
       checkpointed block, ``torch.autograd.graph.save_on_cpu``, another ``refill_outputs``),
       it leaves them in charge; under a ``torch.func`` transform (which refuses

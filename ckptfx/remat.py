@@ -36,7 +36,7 @@ from .policies import (
     name_check,
     positional_policy_message,
 )
-from .refill import plain_saves, scope_on_top
+from .refill import first_node, plain_saves, scope_on_top
 from .rerun import plan_for
 from .session import collect, uncollect
 from .trace import Tracer, reporting, residual_unpack_hook
@@ -338,6 +338,7 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     if plan is not None:
         plan.start(frame)
     handles = collect(frame)
+    first = first_node() if refill is not None else None
     _compat.push_saved_tensors_hooks(pack, unpack)
     try:
         with mode:
@@ -364,7 +365,7 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     if plan is not None:
         plan.finish(frame, tracer)
     if refill is not None:
-        refill.register(frame, out, tensors, tracer)
+        refill.register(frame, out, tensors, tracer, first)
     return out
 
 

@@ -474,3 +474,40 @@ def test_under_a_torch_func_transform_it_is_inert() -> None:
 
     expected = torch.func.grad(loss)(x, False)
     assert torch.equal(torch.func.grad(loss)(x, True), expected)
+
+
+@pytest.mark.parametrize("make", ["view", "untracked"])
+def test_an_output_whose_storage_the_block_did_not_make_is_saved_as_is(make: str) -> None:
+    """A ``ckptfx.checkpoint`` block's replay reads outside tensors when it runs, so an output
+    autograd does not show the block made (a view of a buffer, or a no-grad result of one)
+    is not refilled: a later in-place change of the buffer gives what plain autograd gives
+    (its error, or the forward's value), never a re-read."""
+    buf = torch.randn(4, 4)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def blk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(x), (buf[0:3] if make == "view" else buf[0:3] * 1.0)
+
+    x0 = torch.randn(3, 4)
+    results = []
+    for variant in ("plain", "refill"):
+        w.grad = None
+        buf.copy_(torch.ones(4, 4))
+        x = x0.clone().requires_grad_()
+        if variant == "plain":
+            h, m = blk(x)
+            loss = ((h @ w) * m).sum()
+        else:
+            with ckptfx.refill_outputs():
+                h, m = ckptfx.checkpoint(blk, x)
+                loss = ((h @ w) * m).sum()
+        del h, m
+        buf.mul_(5.0)
+        try:
+            loss.backward()
+            results.append(("ok", w.grad.clone()))
+        except RuntimeError:  # CheckpointError is a RuntimeError
+            results.append(("raised", None))
+    assert results[1][0] == results[0][0]
+    if results[0][0] == "ok":
+        assert torch.equal(results[1][1], results[0][1])
