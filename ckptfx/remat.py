@@ -73,7 +73,10 @@ def remat(
     Args:
         fun: the block. Must be a function of its arguments (parameters it reads from a
             module or a closure are fine; they must not be modified in place between forward
-            and backward).
+            and backward, which is checked). Python state it reads (a module attribute, a
+            config value) must not change between a call's forward and its backward either:
+            a call whose replay re-runs the function (see ``always_record``) reads it again,
+            as torch's checkpoint does, and nothing can check a Python value.
         policy: a ``ckptfx.checkpoint_policies`` policy, or any torch selective-checkpoint
             policy function ``(ctx, op, *args, **kwargs) -> bool | CheckpointPolicy``.
             ``None`` (default) keeps nothing but the inputs the backward needs.
@@ -94,10 +97,12 @@ def remat(
             exact (no explicit ``torch.Generator``, no in-place writes to inputs, ...),
             later calls run as ``ckptfx.checkpoint`` runs (no dispatch mode in the
             forward: torch's checkpoint's speed) and their replay re-runs the block's
-            Python, checked as a checkpoint's is (the guide's "How remat replays"). Pass
-            True where the block's Python must not run in the backward, or where a later
-            call may draw from an explicit generator the first did not (its replay would
-            raise a ``CheckpointError``).
+            Python, checked as a checkpoint's is (the guide's "How remat replays"). Blocks
+            reading a tensor from a closure or a global, a tied weight, or a cast made
+            before the block stay recorded. Pass True where the block's Python must not run
+            in the backward, where it reads Python state that may change before the
+            backward, or where a later call may draw from an explicit generator the first
+            did not (its replay would raise a ``CheckpointError``).
 
     Bad input is refused at once, with what to write instead: a policy passed where the
     function goes (``remat(cp.dots_saveable)``: write ``remat(policy=cp.dots_saveable)``)
