@@ -10,9 +10,13 @@ Rules
 
 2. The *whole* weight pass is one ``autograd.grad`` from the split's outputs, with their
    cotangents, for every weight: dx is then a plain input backward (no groups, no capture
-   hooks, no trimming) and dw a plain weight backward. Every node dw executes gets the same
-   gradient it got in a fused backward (the same graph, the same seeds, deterministic
-   kernels), so the gradients are the same, bit for bit; what it costs is the input-path
+   hooks, no trimming) and dw a plain weight backward. The input-path nodes that lead to
+   weights run twice, in dx and again in dw; a built-in torch node gets the same gradient it
+   got in a fused backward both times (the same graph, the same seeds, deterministic
+   kernels), so the gradients are the same, bit for bit. A custom ``autograd.Function``'s
+   backward may not be (a random draw, an FP8 amax/scale update, a counter): a second run
+   could give dw other gradients than a fused backward, so one anywhere in the graph forces
+   the per-group pass (``whole_backward_safe``). What the whole pass costs is the input-path
    work that dx already did (for matmul layers about as many FLOPs as the weight gradients)
    and the session keeps every replayed tensor until dw. The consecutive groups being
    chained is why one call cannot be rooted at the groups' captured gradients without
@@ -24,8 +28,10 @@ Rules
    FLOPs are estimated as ``2 * rows * sum(w.numel())``, ``rows`` the largest row count
    (``numel / shape[-1]``) among the inputs and the cotangents, and the whole pass is taken
    when that is at most ``ENGINE_CALL_FLOPS`` per weight (``whole_backward_pays``). Never
-   under DDP or FSDP2, whose hooks must run once per backward (``ckptfx._distributed``).
-   Under the whole pass a tensor hook on the input path runs in dx and again in dw.
+   under DDP or FSDP2, whose hooks must run once per backward (``ckptfx._distributed``), and
+   never where the graph from the outputs holds a custom Function's backward (Rule 2,
+   ``whole_backward_safe``). Under the whole pass a tensor hook on the input path runs in dx
+   and again in dw (a C++ node's hooks cannot be seen from Python).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ import torch
 
 from ._weight_groups import _Group
 
-__all__ = ["ENGINE_CALL_FLOPS", "whole_backward_group", "whole_backward_pays"]
+__all__ = ["ENGINE_CALL_FLOPS", "whole_backward_group", "whole_backward_pays",
+           "whole_backward_safe"]
 
 # Estimated weight-gradient FLOPs per weight below which recomputing the input path in dw
 # costs less than the per-group pass's calls. Measured on 6 MLP blocks (bench_overhead.py's,
@@ -47,7 +54,9 @@ __all__ = ["ENGINE_CALL_FLOPS", "whole_backward_group", "whole_backward_pays"]
 # depend on timing.
 ENGINE_CALL_FLOPS = 300_000
 
-# Tests and benchmarks force a pass: None (the rule), "per_group" or "whole".
+# Tests and benchmarks force a pass: None (the rule), "per_group" or "whole". For measurement
+# only: "whole" skips ``whole_backward_safe`` too, so a custom Function's backward on the input
+# path runs twice and may then give other gradients (Rule 2).
 _force: str | None = None
 
 
@@ -74,6 +83,38 @@ def whole_backward_pays(cotangents: Sequence[torch.Tensor | None],
     rows = max([_rows(c) for c in cotangents] + [_rows(x) for x in xs] + [1])
     flops = 2 * rows * sum(w.numel() for w in weights)
     return flops <= ENGINE_CALL_FLOPS * len(weights)
+
+
+def whole_backward_safe(outputs: Sequence[torch.Tensor]) -> bool:
+    """True when no node the whole pass could execute twice is a custom Function's (Rule 2).
+
+    Walks the autograd graph from the outputs' ``grad_fn`` down to the leaves (iterative, each
+    node once, stopping at ``AccumulateGrad``); any ``BackwardCFunction`` (a custom
+    ``torch.autograd.Function``, including compiled regions' backward) makes it False. The
+    whole reachable graph is a superset of the nodes dx and dw share: cheap and conservative.
+
+    Example::
+
+        >>> w = torch.zeros(2, requires_grad=True)
+        >>> whole_backward_safe([(w * 2).sin()])
+        True
+    """
+    if _force is not None:
+        return _force == "whole"
+    custom = torch.autograd.function.BackwardCFunction
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, custom):
+            return False
+        for nxt, _ in node.next_functions:
+            if nxt is not None and id(nxt) not in seen:  # AccumulateGrad: no next
+                stack.append(nxt)
+    return True
 
 
 def whole_backward_group(n_outputs: int, n_weights: int) -> _Group:

@@ -23,7 +23,7 @@ Rules
    outweighs that: dx is then a plain input backward (no groups, no capture hooks) and dw one
    plain weight backward from the outputs, which recomputes the input-path gradients that
    lead to weights; the gradients are the same bit for bit either way. Never under DDP or
-   FSDP2.
+   FSDP2, nor with a custom Function's backward in the graph (it would run twice).
 
 4. Between dx and dw the session keeps only the replayed tensors dw will read (per-group pass;
    the whole pass reads them all): during dx the unpack hook drops a replayed tensor at its
@@ -298,8 +298,11 @@ class _Split:
             x_req = [t for t in self.x if t.requires_grad]
             # Small blocks: dw as one plain weight backward (Rule 3, _weight_calls). Its
             # edges are the tensors themselves (autograd finds them in C++).
-            whole = self.dp is None and _wc.whole_backward_pays(
-                self.cotangents, x_req, self.weights)
+            # A custom Function's backward in the graph forces the per-group pass: the whole
+            # one would run it twice (Rule 2, _weight_calls).
+            whole = (self.dp is None
+                     and _wc.whole_backward_pays(self.cotangents, x_req, self.weights)
+                     and _wc.whole_backward_safe(outputs))
             if whole:
                 self.out_edges, self.w_edges = list(outputs), list(self.weights)
                 self.groups = [_wc.whole_backward_group(len(outputs), len(self.weights))]
@@ -491,8 +494,9 @@ def vjp_split(
     the blocks are small (a rule on shapes, ``ckptfx._weight_calls``; never under DDP or
     FSDP2) dw is instead one plain weight backward from the outputs, cheaper there than a
     call per weight group: it recomputes the input-path gradients that lead to weights (a
-    custom Function or tensor hook there runs in dx and again in dw) and the session holds
-    every replayed tensor until dw. The gradients are the same, bit for bit.
+    tensor hook there runs in dx and again in dw; a custom Function anywhere in the graph
+    forces the per-group pass, its backward running once) and the session holds every
+    replayed tensor until dw. The gradients are the same, bit for bit.
 
     Example::
 

@@ -43,25 +43,40 @@ def _weights(n: int = 2, d: int = 8, h: int = 16) -> list[torch.Tensor]:
     return ws
 
 
+class _Noisy(torch.autograd.Function):
+    """Identity whose backward adds a random draw (stochastic rounding, gradient noise)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g + 1e-3 * torch.randn_like(g)
+
+
 def _block(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-           runs: list[int]) -> torch.Tensor:
+           runs: list[int], custom: bool = True) -> torch.Tensor:
     runs[0] += 1
-    h = F.dropout(F.gelu(F.linear(_Scale.apply(x), w1, b1)), 0.25, True)
+    h = F.dropout(F.gelu(F.linear(_Scale.apply(x) if custom else x * 2, w1, b1)), 0.25, True)
     return x + F.linear(h, w2)
 
 
-def _fun(x: torch.Tensor, ws: list[torch.Tensor], runs: list[int], ck: bool) -> torch.Tensor:
+def _fun(x: torch.Tensor, ws: list[torch.Tensor], runs: list[int], ck: bool,
+         custom: bool = True) -> torch.Tensor:
     for i in range(0, len(ws), 3):
-        args = (x, *ws[i:i + 3], runs)
+        args = (x, *ws[i:i + 3], runs, custom)
         x = ckptfx.checkpoint(_block, *args) if ck else _block(*args)
     return x
 
 
-@pytest.mark.parametrize("mode", ["per_group", "whole"])
-def test_weight_passes_bitwise_counted(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both passes give the fused gradients bit for bit with one replay per block; the whole
-    pass runs an input-path custom backward that leads to weights once more (in dw), the
-    per-group pass not."""
+@pytest.mark.parametrize("mode", [None, "per_group", "whole"])
+def test_weight_passes_bitwise_counted(mode: str | None,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both passes give the fused gradients bit for bit with one replay per block. Under the
+    rule (None) these small blocks' custom Function forces the per-group pass, whose custom
+    backward runs once; the whole pass, forced (for measurement only), runs the one that leads
+    to weights once more, in dw (deterministic here)."""
     monkeypatch.setattr(weight_calls, "_force", mode)
     ws = _weights()
     x, g = torch.randn(3, 8), torch.randn(3, 8)
@@ -98,11 +113,14 @@ def test_rule_is_a_function_of_shapes() -> None:
 
 
 def test_split_follows_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built-in nodes only: the shapes decide; a custom Function: per group at any size."""
     ws = _weights()
     x, g = torch.randn(3, 8), torch.randn(3, 8)
-    for limit, groups in ((weight_calls.ENGINE_CALL_FLOPS, 1), (0, 4)):
+    for limit, custom, groups in ((weight_calls.ENGINE_CALL_FLOPS, False, 1), (0, False, 4),
+                                  (weight_calls.ENGINE_CALL_FLOPS, True, 4)):
         monkeypatch.setattr(weight_calls, "ENGINE_CALL_FLOPS", limit)
-        _, dx_fn, dw_fn = ckptfx.vjp_split(lambda t: _fun(t, ws, [0], True), x, params=ws)
+        _, dx_fn, dw_fn = ckptfx.vjp_split(lambda t: _fun(t, ws, [0], True, custom), x,
+                                           params=ws)
         dx_fn(g)
         assert len(dx_fn._split.groups) == groups
         dw_fn()
@@ -110,31 +128,32 @@ def test_split_follows_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
         w.grad = None
 
 
-def test_dx_frees_what_only_it_reads_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per group, a replayed tensor read only by dx (the GELU input, the dropout mask) is
-    dropped at its read, before dx ends, as a fused backward frees it; what dw reads stays."""
-    monkeypatch.setattr(weight_calls, "_force", "per_group")
-    ws = _weights()
-    x, g = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
-    torch.manual_seed(5)
-    xr = x.detach().clone().requires_grad_()
-    ref = torch.autograd.grad(_fun(xr, ws, [0], False), ws, g)
-    torch.manual_seed(5)
-    _, dx_fn, dw_fn = ckptfx.vjp_split(lambda t: _fun(t, ws, [0], True), x, params=ws)
-    dx_fn.prefire()
-    frames = [h.frame for h in dx_fn._split.handles]
+@pytest.mark.parametrize("split", ["vjp_split", "grad_split"])
+def test_random_custom_backward_takes_the_per_group_pass(split: str) -> None:
+    """A custom backward with a random draw on the input path of small blocks: the rule takes
+    the per-group pass (the whole one would draw again in dw and give other weight gradients),
+    and dx and dw are bitwise plain autograd's with the same seed."""
+    torch.manual_seed(0)
+    w1 = torch.randn(16, 8, requires_grad=True)
+    w2 = torch.randn(8, 16, requires_grad=True)
 
-    def held() -> list[int]:
-        return [sum(t is not None for t in f.replays[f.session]) for f in frames]
+    def fun(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(_Noisy.apply(F.linear(x, a))), b)
 
-    after_prefire = held()
-    inside: list[list[int]] = []
-    # The last block's tensors are read first; x's gradient is dx's last step, before dx ends.
-    x.register_hook(lambda grad: inside.append(held()))
-    dx_fn(g)
-    after_dx = held()
-    assert inside and inside[0][1] < after_prefire[1]  # dropped while dx was running
-    assert inside[0][1] == after_dx[1]
-    assert all(a < b for a, b in zip(after_dx, after_prefire))
-    dw_fn()
-    assert_bitwise([w.grad for w in ws], ref)
+    x, g = torch.randn(3, 8), torch.randn(3, 8)
+    assert weight_calls.whole_backward_pays([g], [x], [w1, w2])  # small: shapes alone say whole
+    torch.manual_seed(7)
+    xr = x.clone().requires_grad_()
+    ref = torch.autograd.grad(fun(w1, w2, xr), [xr, w1, w2], g)
+    torch.manual_seed(7)
+    if split == "vjp_split":
+        _, dx_fn, dw_fn = ckptfx.vjp_split(lambda t: fun(w1, w2, t), x, params=[w1, w2])
+        dx = dx_fn(g)
+        assert not dx_fn._split.groups[0].roots  # per group, not rooted at the outputs
+        dw_fn()
+        got = [dx, w1.grad, w2.grad]
+    else:
+        gx, gw = ckptfx.grad_split(lambda a, b, t: (fun(a, b, t) * g).sum(), x_argnums=2)
+        (_, dx) = gx(w1, w2, x, session=0)
+        got = [dx, *gw(0)]
+    assert_bitwise(got, ref)
