@@ -323,8 +323,10 @@ class Frame:
             self.replays[key] = tensors
         return tensors
 
-    def unpack_slow(self, holder: Holder) -> torch.Tensor:
-        """Everything the hot path does not do: session discovery, replay, errors."""
+    def current_replay(self) -> tuple[Replay | None, Any]:
+        """The replay an unpack reads now, made if missing (Rule 3's keys: the session, the
+        GraphExecGroup, the GraphTask), and the session activation it reads under (or
+        None); ``(None, None)`` outside any backward."""
         act = self.active
         if act is None and tls.activation is not None:
             act = tls.activation.adopt(self)
@@ -332,19 +334,28 @@ class Frame:
             replay = self.replays.get(act.session)
             if replay is None:
                 replay = self.replay(act.session, scheduled=True)
-            t = _take(replay, holder.index, act.retain, act)
-            if act.retain and act.log is not None:
-                _note_read(act, replay, holder)
-            return t
+            return replay, act
         key = _compat.get_graph_exec_group()
         if key is None:
             key = _compat.current_graph_task_id()
-            if key == -1:  # outside backward: a replay for this one unpack
-                return self.replay(None, store=False)[holder.index]
+            if key == -1:
+                return None, None
         replay = self.replays.get(key)
         if replay is None:
             replay = self.replay(key)
-        return _take(replay, holder.index, False, None)
+        return replay, None
+
+    def unpack_slow(self, holder: Holder) -> torch.Tensor:
+        """Everything the hot path does not do: session discovery, replay, errors."""
+        replay, act = self.current_replay()
+        if replay is None:  # outside backward: a replay for this one unpack
+            return self.replay(None, store=False)[holder.index]
+        if act is None:
+            return _take(replay, holder.index, False, None)
+        t = _take(replay, holder.index, act.retain, act)
+        if act.retain and act.log is not None:
+            _note_read(act, replay, holder)
+        return t
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__

@@ -74,7 +74,7 @@ import optree
 import torch
 
 from . import _compat
-from .frame import CheckpointError, Frame, Replay, tls
+from .frame import CheckpointError, Frame, Replay
 
 __all__ = ["refill_outputs"]
 
@@ -216,24 +216,10 @@ class _Handle:
         t = self.original()
         if t is not None:
             return t
-        frame = self.frame
-        act = frame.active
-        if act is None and tls.activation is not None:
-            act = tls.activation.adopt(frame)  # as a holder's first unpack would
-        if act is not None:
-            replay = frame.replays.get(act.session)
-            if replay is None:
-                replay = frame.replay(act.session, scheduled=True)
-            return self._take(replay, act.retain, act)
-        key = _compat.get_graph_exec_group()
-        if key is None:
-            key = _compat.current_graph_task_id()
-            if key == -1:  # outside backward: a replay for this one unpack
-                return self._own_replay(None)
-        replay = frame.replays.get(key)
-        if replay is None:
-            replay = frame.replay(key)
-        return self._take(replay, False, None)
+        replay, act = self.frame.current_replay()
+        if replay is None:  # outside backward: a replay for this one unpack
+            return self._own_replay(None)
+        return self._take(replay, act is not None and act.retain, act)
 
     def _take(self, replay: Replay, retain: bool, act: Any) -> torch.Tensor:
         outs = getattr(replay, "outs", None)
