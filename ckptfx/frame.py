@@ -114,8 +114,8 @@ DEBUG_TIP = (
 # Thread state read on the slow path only:
 #   activation        the session context opened on this thread (see session.py)
 #   scheduled_replay  True while this thread replays a frame for a session
-#   frames_made       frames created on this thread so far (rerun.py asks whether a block's
-#                     forward created one: a nested frame)
+#   frames_made       frames created on this thread so far (Rule 6b and rerun.py ask whether
+#                     a block's forward created one: a nested frame)
 class _ThreadState(threading.local):
     activation: Any = None
     scheduled_replay: bool = False
@@ -190,9 +190,6 @@ def _writes_one_of(func: Any, args: tuple, kwargs: dict, ids: set[int]) -> bool:
     return False
 
 
-_frames_made = 0  # frames created so far (any thread; Rule 6b only asks "did it change")
-
-
 class Holder:
     """What autograd stores in place of a saved tensor: its frame and its position."""
 
@@ -230,10 +227,10 @@ class Frame:
         recompute_ctx: Any = None,
         debug: Any = None,
     ) -> None:
-        global _frames_made
-        _frames_made += 1  # Rule 6b: an enclosing frame's last pack may be one of ours
-        self.frames_made = _frames_made
+        # Rule 6b: an enclosing frame's last pack may be one of ours (saved-tensor hooks are
+        # per thread, so only frames made on this thread can pack into an enclosing one).
         tls.frames_made += 1
+        self.frames_made = tls.frames_made
         self.fn = fn
         # Saved under the hooks active now: the parent frame's, when nested.
         self.inputs: list[Any] = [
@@ -288,7 +285,7 @@ class Frame:
         that its replay's early stop needs no watch (Rule 6b)."""
         self.forward_done = True
         if (outputs is not None and self.early_stop and self.holders
-                and _frames_made == self.frames_made):
+                and tls.frames_made == self.frames_made):
             last = self.holders[-1]()
             if last is not None and last_op_writes_nothing(outputs, self.op_seq - 1, last):
                 self.watch_last_op = False
