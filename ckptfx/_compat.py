@@ -159,6 +159,22 @@ def is_compiled_backward_node(node: Any) -> bool:
     return type(node).__name__ == "CompiledFunctionBackward"
 
 
+def any_node(tensors: Sequence[torch.Tensor], pred: Callable[[Any], bool]) -> bool:
+    """True if ``pred`` holds for an autograd node in the history of ``tensors`` (each node
+    visited once, iteratively: graphs are deep)."""
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if pred(node):
+            return True
+        stack.extend(n for n, _ in node.next_functions if n is not None and id(n) not in seen)
+    return False
+
+
 def functorch_level() -> int:
     """Nesting depth of active torch.func transforms (0 under plain autograd)."""
     level = torch._C._functorch.maybe_current_level()

@@ -146,23 +146,14 @@ def note_lowered(what: str) -> bool:
 def check_split_graph(outputs: list[torch.Tensor], who: str) -> None:
     """Warn (Rule 5) if ``outputs`` were computed through a compiled region whose backward
     no ckptfx frame schedules: dx and dw would each run all of it."""
-    seen: set[Any] = set()
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if _compat.is_compiled_backward_node(node):
-            _warn_replay(
-                "split",
-                f"ckptfx.{who}: the outputs come from a torch.compile'd region with no "
-                "ckptfx checkpoint outside it. Its backward is one autograd node, so the "
-                "input-gradient and the weight-gradient calls each run all of it, and a "
-                "checkpoint inside the compiled graph recomputes its blocks in both."
-            )
-            return
-        stack.extend(n for n, _ in node.next_functions if n is not None)
+    if _compat.any_node(outputs, _compat.is_compiled_backward_node):
+        _warn_replay(
+            "split",
+            f"ckptfx.{who}: the outputs come from a torch.compile'd region with no "
+            "ckptfx checkpoint outside it. Its backward is one autograd node, so the "
+            "input-gradient and the weight-gradient calls each run all of it, and a "
+            "checkpoint inside the compiled graph recomputes its blocks in both."
+        )
 
 
 def explain_donated_buffers(err: RuntimeError, who: str) -> None:

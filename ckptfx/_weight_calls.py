@@ -40,6 +40,7 @@ from typing import Sequence
 
 import torch
 
+from . import _compat
 from ._weight_groups import _Group
 
 __all__ = ["ENGINE_CALL_FLOPS", "whole_backward_group", "whole_backward_pays",
@@ -102,19 +103,7 @@ def whole_backward_safe(outputs: Sequence[torch.Tensor]) -> bool:
     if _force is not None:
         return _force == "whole"
     custom = torch.autograd.function.BackwardCFunction
-    seen: set[int] = set()
-    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, custom):
-            return False
-        for nxt, _ in node.next_functions:
-            if nxt is not None and id(nxt) not in seen:  # AccumulateGrad: no next
-                stack.append(nxt)
-    return True
+    return not _compat.any_node(outputs, lambda node: isinstance(node, custom))
 
 
 def whole_backward_group(n_outputs: int, n_weights: int) -> _Group:
