@@ -31,7 +31,6 @@ Rules
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any
 
@@ -41,7 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _compat
 from ._ops import op_info
-from .frame import CheckpointError
+from .frame import NULL_CONTEXT as NULL, CheckpointError
 
 __all__ = ["Recorder", "Replayer", "Watch", "is_collective", "register_collective",
            "replay_context", "watch_needed"]
@@ -300,15 +299,14 @@ class Replayer(_compat.TorchDispatchMode):
 
 def forward_context(frame: Any) -> Any:
     """A checkpoint forward: record its collectives where one can run (Rule 3)."""
-    return Recorder(frame) if watch_needed() else _NULL
+    return Recorder(frame) if watch_needed() else NULL
 
 
 def replay_context(frame: Any) -> Any:
     """A re-run of ``frame``'s function: the forward's collectives answered from its log."""
     log = _logs.get(frame) if _logs else None
     if log is None or not log.entries:
-        return _NULL
+        return NULL
     return Replayer(log, frame)
 
 
-_NULL = contextlib.nullcontext()

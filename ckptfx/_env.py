@@ -32,18 +32,22 @@ def accelerator_type() -> str | None:
 
 
 _ACCELERATOR: str | None = accelerator_type()
+_CPU_GENERATOR = torch.default_generator  # torch.get_rng_state()'s, without its wrapper
 
 
 def _device_module(device_type: str) -> Any:
     return torch.get_device_module(device_type)
 
 
-def _autocast_state(device_type: str) -> tuple[bool, torch.dtype, bool]:
-    return (
-        torch.is_autocast_enabled(device_type),
-        torch.get_autocast_dtype(device_type),
-        torch.is_autocast_cache_enabled(),
-    )
+# Autocast off: its dtype and cache mean nothing then, so every "off" state is this one
+# (one query instead of three on the common path; autocast(enabled=False) needs neither).
+_AUTOCAST_OFF: tuple[bool, Any, Any] = (False, None, None)
+
+
+def _autocast_state(device_type: str) -> tuple[bool, Any, Any]:
+    if not torch.is_autocast_enabled(device_type):
+        return _AUTOCAST_OFF
+    return (True, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
 
 
 class ReplayEnv:
@@ -66,7 +70,7 @@ class ReplayEnv:
         if device_type is None:
             device_type = _ACCELERATOR
         self.device_type = device_type
-        self.cpu_rng = torch.get_rng_state() if preserve_rng_state else None
+        self.cpu_rng = _CPU_GENERATOR.get_state() if preserve_rng_state else None
         self.device_rng: list[tuple[int, torch.Tensor]] = []
         if preserve_rng_state and device_type is not None and device_ids:
             mod = _device_module(device_type)
@@ -109,16 +113,18 @@ class _Restored:
         self.saved_cpu = None
         self.saved_dev: list[tuple[Any, int, torch.Tensor]] = []
         if env.cpu_rng is not None:
-            self.saved_cpu = torch.get_rng_state()
-            torch.set_rng_state(env.cpu_rng)
+            self.saved_cpu = _CPU_GENERATOR.get_state()
+            _CPU_GENERATOR.set_state(env.cpu_rng)
         if env.device_rng:
             mod = _device_module(env.device_type)  # type: ignore[arg-type]
             self.saved_dev = [(mod, i, mod.get_rng_state(i)) for i, _ in env.device_rng]
             for i, state in env.device_rng:
                 mod.set_rng_state(state, i)
-        self.saved_gens = [(g, g.get_state()) for g in env.generators]
-        for g, state in env.generators.items():
-            g.set_state(state)
+        self.saved_gens = []
+        if env.generators:
+            self.saved_gens = [(g, g.get_state()) for g in env.generators]
+            for g, state in env.generators.items():
+                g.set_state(state)
         contexts = []
         if _autocast_state("cpu") != env.cpu_autocast:
             enabled, dtype, cache = env.cpu_autocast
@@ -131,6 +137,9 @@ class _Restored:
                                                dtype=dtype, cache_enabled=cache))
         if env.device_ctx is not None:
             contexts.append(env.device_ctx)
+        if not contexts:  # the common case: RNG only
+            self.contexts = contexts
+            return
         entered = []
         try:
             for ctx in contexts:
@@ -152,7 +161,7 @@ class _Restored:
 
     def _put_back_rng(self) -> None:
         if self.saved_cpu is not None:
-            torch.set_rng_state(self.saved_cpu)
+            _CPU_GENERATOR.set_state(self.saved_cpu)
         for mod, i, state in self.saved_dev:
             mod.set_rng_state(state, i)
         for g, state in self.saved_gens:

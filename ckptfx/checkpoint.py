@@ -12,7 +12,7 @@ from torch import nn
 from . import _compat, _compile
 from ._debug import DebugLogs
 from . import _collectives
-from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
+from .frame import NULL_CONTEXT, Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from .refill import first_node, plain_saves, scope_on_top
 from .policies import NameCheck, NothingSaveable, check_policy, name_check
 from .session import collect, uncollect
@@ -162,8 +162,12 @@ def checkpoint(
         )
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
-    check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
-                  preserve_rng_state=preserve_rng_state, early_stop=early_stop, policy=policy)
+    if not (policy is None and context_fn is noop_context_fn and debug is False
+            and preserve_rng_state is True and early_stop is True
+            and determinism_check == "default"):  # the defaults need no check (a hot path)
+        check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
+                      preserve_rng_state=preserve_rng_state, early_stop=early_stop,
+                      policy=policy)
     if policy is not None:
         return run_with_policy(function, args, kwargs, policy=policy, early_stop=early_stop)
     if _compat.is_compiling():
@@ -230,6 +234,8 @@ def run_checkpointed(
     if debug:
         logs = DebugLogs()
         forward_ctx, recompute_ctx = logs.contexts()
+    elif context_fn is noop_context_fn:
+        forward_ctx = recompute_ctx = None
     else:
         forward_ctx, recompute_ctx = context_fn()
     refill = scope_on_top()  # a ckptfx.refill_outputs() context around this block, if any
@@ -240,11 +246,16 @@ def run_checkpointed(
     handles = collect(frame)
     first = first_node() if refill is not None else None
     suppressed = True
+    collectives = _collectives.forward_context(frame)
     _compat.push_saved_tensors_hooks(frame.pack, unpack_hook)
     try:
-        with forward_ctx, _collectives.forward_context(frame):
-            out = function(*args, **kwargs)
+        if forward_ctx is None and collectives is NULL_CONTEXT:
+            out = function(*args, **kwargs)  # nothing to enter: the common case, kept lean
             suppressed = False
+        else:
+            with (forward_ctx if forward_ctx is not None else NULL_CONTEXT), collectives:
+                out = function(*args, **kwargs)
+                suppressed = False
     except BaseException:
         uncollect(handles, frame)
         raise

@@ -92,6 +92,10 @@ from ._ops import op_info
 
 __all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
 
+_next_sequence_nr = _compat.next_sequence_nr
+# One reusable do-nothing context: what a replay or forward enters when nothing is to enter.
+NULL_CONTEXT = contextlib.nullcontext()
+
 
 class CheckpointError(_torch_checkpoint.CheckpointError):
     """A checkpointed block could not be replayed faithfully, or was used in a way ckptfx
@@ -229,8 +233,8 @@ class Frame:
     ) -> None:
         # Rule 6b: an enclosing frame's last pack may be one of ours (saved-tensor hooks are
         # per thread, so only frames made on this thread can pack into an enclosing one).
-        tls.frames_made += 1
-        self.frames_made = tls.frames_made
+        made = tls.frames_made + 1
+        tls.frames_made = self.frames_made = made
         self.fn = fn
         # Saved under the hooks active now: the parent frame's, when nested.
         self.inputs: list[Any] = [
@@ -254,7 +258,7 @@ class Frame:
         # Rule 6: the autograd sequence number the packs of the last saving op saw, the one
         # of the saving op before it (or the block's start), and the position of the last
         # saving op's first pack.
-        self.op_seq = self.prev_op_seq = _compat.next_sequence_nr()
+        self.op_seq = self.prev_op_seq = _next_sequence_nr()
         self.last_op_first = 0
         self.watch_last_op = True  # Rule 6b: cleared by forward_finished when not needed
         self.ignore_count = False
@@ -266,16 +270,22 @@ class Frame:
     # -- forward ---------------------------------------------------------------------------
 
     def pack(self, x: torch.Tensor) -> Holder:
-        holder = Holder(self, len(self.holders))
-        self.holders.append(weakref.ref(holder))
-        if self.metas is not None:
-            self.metas.append((x.shape, x.dtype, x.device))
-        self.note_op(holder.index)
+        holders = self.holders
+        position = len(holders)
+        holder = Holder(self, position)
+        holders.append(weakref.ref(holder))
+        metas = self.metas
+        if metas is not None:
+            metas.append((x.shape, x.dtype, x.device))
+        seq = _next_sequence_nr()  # note_op, inlined: pack is the forward's hot path
+        if seq != self.op_seq:
+            self.prev_op_seq, self.op_seq = self.op_seq, seq
+            self.last_op_first = position
         return holder
 
     def note_op(self, position: int) -> None:
         """At each pack of the forward: note where the packs of a new op start (Rule 6)."""
-        seq = _compat.next_sequence_nr()
+        seq = _next_sequence_nr()
         if seq != self.op_seq:
             self.prev_op_seq, self.op_seq = self.op_seq, seq
             self.last_op_first = position
@@ -580,23 +590,37 @@ def rerun_function(frame: Frame, tensors: Replay) -> None:
     """Replay strategy: run the block's Python function again under a recording hook."""
     args = frame.saved_inputs()
     rec = _Recorder(frame, tensors, args)
-    ctx = frame.recompute_ctx if frame.recompute_ctx is not None else contextlib.nullcontext()
-    from ._collectives import replay_context  # (it imports this module)
-
+    ctx = frame.recompute_ctx
+    collectives = _collectives.replay_context(frame)
+    grad_was = torch.is_grad_enabled()
     _compat.push_saved_tensors_hooks(rec.pack, _identity)
     try:
-        with torch.enable_grad(), frame.env.restored(), ctx, replay_context(frame):
-            try:
-                rec.start()
-                out = frame.fn(*args, **frame.kwargs)
-                if type(tensors) is not list:  # a refill replay (Rule 7b)
-                    frame.refill.fill_from_result(tensors, out)
-            except _Stop:
-                pass
-            finally:
-                rec.disarm()
+        torch._C._set_grad_enabled(True)  # torch.enable_grad(), without its wrapper object
+        with frame.env.restored():
+            if ctx is None and collectives is NULL_CONTEXT:
+                _run_to_stop(frame, rec, args, tensors)
+            else:
+                with (ctx if ctx is not None else NULL_CONTEXT), collectives:
+                    _run_to_stop(frame, rec, args, tensors)
     finally:
+        torch._C._set_grad_enabled(grad_was)
         _compat.pop_saved_tensors_hooks()
     if rec.probe is not None:
         frame.shared = frozenset(rec.probe)
     rec.check(frame)
+
+
+def _run_to_stop(frame: Frame, rec: _Recorder, args: list[Any], tensors: Replay) -> None:
+    try:
+        rec.start()
+        out = frame.fn(*args, **frame.kwargs)
+        if type(tensors) is not list:  # a refill replay (Rule 7b)
+            frame.refill.fill_from_result(tensors, out)
+    except _Stop:
+        pass
+    finally:
+        rec.disarm()
+
+
+# Below the definitions _collectives imports from here (it is read at call time only).
+from . import _collectives  # noqa: E402
