@@ -60,7 +60,7 @@ class ReplayEnv:
         device_type = None
         device_ids: list[int] = []
         for t in tensors:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not t.is_cpu:  # is_cpu: no device object
                 dev = t.device
                 if dev.type != "cpu" and dev.type != "meta":
                     if device_type is None:

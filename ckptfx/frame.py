@@ -238,7 +238,7 @@ class Frame:
         self.fn = fn
         # Saved under the hooks active now: the parent frame's, when nested.
         self.inputs: list[Any] = [
-            _compat.make_saved_tensor(a, is_output=False) if isinstance(a, torch.Tensor) else a
+            _compat.make_saved_tensor(a, False) if isinstance(a, torch.Tensor) else a  # not an output
             for a in args
         ]
         self.kwargs = kwargs
@@ -475,7 +475,7 @@ class _Recorder:
         self.last_op_packs: set[int] = set()
         # A backward run inside the block restores its own thread state when it ends, a
         # mode pushed there would vanish: the watch is armed in the replay's own task only.
-        self.task = _compat.current_graph_task_id()
+        self.task = _compat.current_graph_task_id() if self.last_op_first >= 0 else None
         # Metadata mismatches, reported together once the replay ended (as torch does).
         self.mismatched: list[tuple[int, tuple[Any, ...], tuple[Any, ...]]] = []
         # First session replay of the frame: note which saved tensors alias inputs or
