@@ -504,30 +504,46 @@ class _Recorder:
             watch.__exit__(None, None, None)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        frame = self.frame
         i = self.count
+        self.count = i + 1
         probe = self.probe
         if probe is not None and _aliases_input_or_leaf(x, self.input_ids):
             probe.append(i)
-        watching = self.watch is not None
-        if watching:
-            # The object the op will hold at the dispatcher, by id: a reference would be a
-            # cycle gc cannot see (x's graph holds this hook through its saved variables).
-            self.last_op_packs.add(id(x))
+        if self.watch is not None:
+            return self._pack_watched(x, i)
         if x.requires_grad:
-            if watching:
-                ran, self.last_op_ran = self.last_op_ran, None  # the watch lets this pass:
-                x = x.detach()                                 # not an op of the block
-                self.last_op_ran = ran
-            else:
-                x = x.detach()
-        self.count = i + 1
+            x = x.detach()
+        self._file(x, i)
+        if i + 1 == self.stop_at:
+            raise _Stop  # torch's stop, in the pack of the last saved tensor (Rule 6)
+        if i + 1 == self.last_op_first:
+            self.arm()  # the next pack is the last op's first
+        return x
+
+    def _pack_watched(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """A pack of the last op, its watch armed (Rule 6)."""
+        # The object the op will hold at the dispatcher, by id: a reference would be a cycle
+        # gc cannot see (x's graph holds this hook through its saved variables).
+        self.last_op_packs.add(id(x))
+        if x.requires_grad:
+            ran, self.last_op_ran = self.last_op_ran, None  # the watch lets this pass:
+            x = x.detach()                                 # not an op of the block
+            self.last_op_ran = ran
+        self._file(x, i)
+        if i + 1 == self.stop_at and self.last_op_ran:
+            raise _Stop  # the last op ran before this pack: its outputs are saved
+        # else an input of the last op, packed before the op runs: the watch decides
+        return x
+
+    def _file(self, x: torch.Tensor, i: int) -> None:
+        """Put the replayed tensor at position ``i`` if its holder lives, checking it."""
+        frame = self.frame
         if i >= len(self.tensors):
             if not frame.forward_done:
                 # Backward inside the block during its own forward: the replay may see more
                 # than the forward had saved when it was triggered (torch's Rule 6).
                 frame.ignore_count = True
-                return x
+                return
             raise CheckpointError(
                 "ckptfx.checkpoint: trying to save more tensors during recomputation than "
                 f"during the original forward pass ({len(frame.holders)}). The block must run "
@@ -540,13 +556,6 @@ class _Recorder:
                 meta = metas[i]
                 if x.dtype != meta[1] or x.shape != meta[0] or x.device != meta[2]:
                     self.mismatched.append((i, meta, (x.shape, x.dtype, x.device)))
-        if self.count == self.stop_at:
-            if self.last_op_ran or not watching:
-                raise _Stop  # torch's stop, in the pack of the last saved tensor (Rule 6)
-            # an input of the last op, packed before the op runs: the watch decides
-        elif self.count == self.last_op_first:
-            self.arm()  # the next pack is the last op's first
-        return x
 
     def check(self, frame: Frame) -> None:
         """After the replay: the count and metadata checks of Rule 5, in torch's words."""
