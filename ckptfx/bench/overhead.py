@@ -19,7 +19,9 @@ remat   forward of a transformer block (d=64 / d=256): ``remat(nothing_saveable)
         unrecorded call's replay re-runs the block under a dispatch mode (the explicit
         generator watch), so the recording's cost moves to the backward rather than going.
 split   a split step over 6 small MLP blocks (d=64, hidden 256, batch 8): ckptfx sessions
-        (prefire + dx + one dw call per parameter) vs no checkpointing (target <= 1.3x);
+        (prefire + dx + one dw call per parameter) vs no checkpointing (target <= 1.3x),
+        and its floor: every saved tensor through a Python saved-tensor hook plus one more
+        forward of each block to its last pack, what any hook-based checkpoint pays;
         ``vjp_split`` (prefire + dx + its weight pass) vs one fused backward without
         checkpointing (target <= 1.5x). Floors: torch's own split (stage_backward_input /
         stage_backward_weight) over the same blocks without checkpointing, the autograd
@@ -179,6 +181,44 @@ def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
             f"remat{d}_step_recorded_nothing_vs_torch": s_recorded[0]}
 
 
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _LastPack(Exception):
+    pass
+
+
+def _saves_of(block: nn.Module, x: torch.Tensor) -> int:
+    """How many tensors autograd saves in one call of ``block``."""
+    count = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        count[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+        block(x)
+    return count[0]
+
+
+def _run_to_last_pack(block: nn.Module, x: torch.Tensor, saves: int) -> None:
+    """Run ``block`` under a pack hook that stops it in its last pack (a replay's compute)."""
+    count = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        count[0] += 1
+        if count[0] == saves:
+            raise _LastPack
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+        try:
+            block(x)
+        except _LastPack:
+            pass
+
+
 def _fwd_bwd(fn: Callable[[], Any]) -> Callable[[], None]:
     def step() -> None:
         fn().sum().backward()
@@ -262,6 +302,18 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
         for p in params:
             p.grad = None
 
+    saves_per_block = _saves_of(blocks[0], x)
+
+    def hook_floor() -> None:
+        # What any checkpoint built on saved-tensor hooks pays at the least: every saved
+        # tensor through a Python hook (identity here), and each block run once more under
+        # the hook up to its last pack (the replay's compute, stopped as an early stop does).
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            out = plain(x)
+        for b in blocks:
+            _run_to_last_pack(b, x, saves_per_block)
+        _split_backward(out, x, params, g, None)
+
     def fused_and_forward() -> None:
         plain(x)  # the compute of one replay, which any checkpointed step adds
         fused()
@@ -277,13 +329,16 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
         finally:
             ckptfx.clear_recompute_session("mb")
 
-    fns = {"none": none, "ckptfx sessions": sessions, "vjp_split": vjp_split,
+    fns = {"none": none, "ckptfx sessions": sessions, "hook floor": hook_floor,
+           "vjp_split": vjp_split,
            "vjp_split per group": vjp_split_per_group, "fused": fused,
            "floor": torch_split_plain, "fused + forward": fused_and_forward,
            "ckptfx fused": ckptfx_fused}
     times = rounds_of(fns, rounds, inner)
     med = {k: statistics.median(v) for k, v in times.items()}
     r_sess = ratio(times, "ckptfx sessions", "none")
+    r_hooks = ratio(times, "hook floor", "none")
+    r_sess_floor = ratio(times, "ckptfx sessions", "hook floor")
     r_vjp = ratio(times, "vjp_split", "fused")
     r_floor = ratio(times, "floor", "fused")
     r_recompute = ratio(times, "fused + forward", "fused")
@@ -296,6 +351,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
                                                    for k, v in med.items()))
     print(f"  ckptfx sessions (prefire + dx + {len(params)} dw calls) / none: {_fmt(r_sess)}"
           "   (target <= 1.3)")
+    print(f"  floor: saved-tensor hooks + one more forward to each block's last pack / none: "
+          f"{_fmt(r_hooks)}; ckptfx sessions / that floor: {_fmt(r_sess_floor)}")
     print(f"  vjp_split step / fused step:          {_fmt(r_vjp)}   (target <= 1.5)")
     print(f"  floor: torch's split without checkpointing / fused: {_fmt(r_floor)}")
     print(f"  floor: fused step + one more forward (a replay's compute) / fused: "
@@ -304,7 +361,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
     print(f"  vjp_split step / that checkpointed fused step: {_fmt(r_vjp_ck)}")
     print(f"  vjp_split with the per-group weight pass / fused: {_fmt(r_pg)}; the rule's "
           f"pass / per-group: {_fmt(r_whole)}")
-    return {"split_sessions_vs_none": r_sess[0], "split_vjp_vs_fused": r_vjp[0],
+    return {"split_sessions_vs_none": r_sess[0], "split_hook_floor_vs_none": r_hooks[0],
+            "split_sessions_vs_hook_floor": r_sess_floor[0], "split_vjp_vs_fused": r_vjp[0],
             "split_torch_plain_vs_fused": r_floor[0],
             "split_fused_plus_forward_vs_fused": r_recompute[0],
             "split_ckptfx_fused_vs_fused": r_ck[0], "split_vjp_vs_ckptfx_fused": r_vjp_ck[0],
