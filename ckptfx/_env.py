@@ -39,15 +39,15 @@ def _device_module(device_type: str) -> Any:
     return torch.get_device_module(device_type)
 
 
-# Autocast off: its dtype and cache mean nothing then, so every "off" state is this one
-# (one query instead of three on the common path; autocast(enabled=False) needs neither).
-_AUTOCAST_OFF: tuple[bool, Any, Any] = (False, None, None)
-
-
-def _autocast_state(device_type: str) -> tuple[bool, Any, Any]:
-    if not torch.is_autocast_enabled(device_type):
-        return _AUTOCAST_OFF
-    return (True, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype, bool]:
+    # All three even when autocast is off: a region inside the block that turns it back on
+    # without a dtype (``torch.autocast("cpu")``) takes the dtype and the cache flag from
+    # around it, so two "off" states with other dtypes compute differently.
+    return (
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+    )
 
 
 class ReplayEnv:

@@ -135,3 +135,38 @@ def test_remat_kept_mm_rewritten_through_matmul_alias(fn: Callable[..., torch.Te
     ref = _grads(fn, [X3, W], amp)
     got = _grads(r, [X3, W], amp)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def _ambient_autocast_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu"):  # no dtype: the one autocast around it holds, even off
+        y = x @ w
+    return (y.float().sin() * 2).sum(0)
+
+
+@pytest.mark.parametrize("forward_dtype,backward_dtype", [
+    (torch.float16, None),   # forward in fp16-then-off, backward outside autocast (bf16)
+    (None, torch.float16),   # forward outside autocast, backward in fp16-then-off
+])
+def test_replay_restores_the_autocast_dtype_of_an_off_region(
+        forward_dtype: torch.dtype | None, backward_dtype: torch.dtype | None) -> None:
+    # An "autocast off" state still carries a dtype and a cache flag, which an inner
+    # torch.autocast("cpu") takes up: the replay must restore them, as torch's does.
+    def around(dtype: torch.dtype | None) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if dtype is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=dtype))
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+        return stack
+
+    results = {}
+    for name, run in (("plain", _ambient_autocast_block),
+                      ("torch", lambda a, b: torch.utils.checkpoint.checkpoint(
+                          _ambient_autocast_block, a, b, use_reentrant=False)),
+                      ("ckptfx", lambda a, b: ckptfx.checkpoint(_ambient_autocast_block, a, b))):
+        x, w = X2.clone().requires_grad_(), W.clone().requires_grad_()
+        with around(forward_dtype):
+            out = run(x, w)
+        with around(backward_dtype):
+            results[name] = torch.autograd.grad(out.sum(), (x, w))
+    for name in ("torch", "ckptfx"):
+        assert all(torch.equal(a, b) for a, b in zip(results[name], results["plain"])), name
