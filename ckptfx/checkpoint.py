@@ -12,6 +12,7 @@ from torch import nn
 from . import _compat, _compile
 from ._debug import DebugLogs
 from . import _collectives
+from ._function_replay import rerun_function
 from .frame import NULL_CONTEXT, Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from .refill import first_node, plain_saves, scope_on_top
 from .policies import NameCheck, NothingSaveable, check_policy, name_check
@@ -240,7 +241,8 @@ def run_checkpointed(
         forward_ctx, recompute_ctx = context_fn()
     refill = scope_on_top()  # a ckptfx.refill_outputs() context around this block, if any
     with plain_saves(refill):
-        frame = Frame(function, args, kwargs, preserve_rng_state=preserve_rng_state,
+        frame = Frame(function, args, kwargs, rerun=rerun_function,
+                      preserve_rng_state=preserve_rng_state,
                       determinism_check=determinism_check, early_stop=early_stop,
                       recompute_ctx=recompute_ctx, debug=logs)
     handles = collect(frame)

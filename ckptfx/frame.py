@@ -39,7 +39,7 @@ Rules (the invariants the code below keeps; read these before changing it)
    numbers the nodes it makes, and every pack of one op reads the same next number, so the
    frame knows where the packs of its last saving op start (``last_op_first``) and how many
    nodes were made since the saving op before it. The replay pushes a dispatch mode
-   (``_LastOpWatch``) at that boundary, before the last op dispatches (a mode pushed later
+   (``_LastOpWatch``, in ``_function_replay.py``) at that boundary, before the last op dispatches (a mode pushed later
    would miss it), and knows the last op when it reaches the watch by the nodes made so far.
    If the last op ran before its last pack (the last tensors are its outputs), the pack hook
    stops as torch does; if the last tensors are its inputs, the op reaches the watch next,
@@ -58,8 +58,8 @@ Rules (the invariants the code below keeps; read these before changing it)
    a custom Function or of compiled code, a name that does not map back to an ATen op, an op
    with a writable argument, or a frame created inside this one's forward (its inputs are
    packed outside any op, so the last pack need not belong to that node).
-7. How a frame replays is a strategy (``Frame.rerun``): re-running the Python function here,
-   a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
+7. How a frame replays is a strategy (``Frame.rerun``, given by the frame's maker):
+   re-running the Python function (``_function_replay.py``), a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
    and checks are the frame's.
 
 7b. A frame whose outputs a ``ckptfx.refill_outputs`` context handed out as handles
@@ -88,7 +88,6 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _compat
 from ._env import ReplayEnv
 from ._last_op import last_op_writes_nothing
-from ._ops import op_info
 
 __all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
 
@@ -145,55 +144,6 @@ def refuse_new_frame_in_scheduled_replay(what: str) -> None:
         )
 
 
-class _Stop(Exception):
-    """Raised inside the block to end a replay early (Rule 6)."""
-
-
-class _LastOpWatch(_compat.TorchDispatchMode):
-    # Pushed by the replay's pack hook once the packs of every op before the forward's last
-    # saving op are done (Rule 6), so the last op's own dispatch reaches it: autograd packs an
-    # op's inputs before the op reaches a dispatch mode and its outputs after it returns.
-    def __init__(self, rec: "_Recorder") -> None:
-        super().__init__()
-        self.rec = rec
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # A compiled function the block calls inside the watch's window runs its compiled
-        # code, as in the forward: torch.compile would otherwise run it eagerly under this
-        # mode, with other numerics and other saved tensors.
-        return True
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        rec = self.rec
-        kwargs = kwargs or {}
-        if rec.last_op_ran is None:  # the pack hook's own detach
-            return func(*args, **kwargs)
-        if rec.count < rec.stop_at:
-            if _compat.next_sequence_nr() == rec.last_op_seq:
-                rec.last_op_ran = True  # the last op itself: its outputs pack next
-            return func(*args, **kwargs)
-        # Every tensor is packed and the op at hand is the one that packed the last ones.
-        if _writes_one_of(func, args, kwargs, rec.last_op_packs):
-            func(*args, **kwargs)  # it fills a tensor it saved (rrelu's noise): finish it
-        raise _Stop
-
-
-def _writes_one_of(func: Any, args: tuple, kwargs: dict, ids: set[int]) -> bool:
-    """True if ``func`` writes in place one of the tensors whose ``id`` is in ``ids`` (they
-    are alive: the op holds them)."""
-    writes = op_info(func).writes
-    if not writes:
-        return False
-    for i, name in writes:
-        arg = args[i] if i < len(args) else kwargs.get(name)
-        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-            if id(t) in ids:
-                return True
-    return False
-
-
 class Holder:
     """What autograd stores in place of a saved tensor: its frame and its position."""
 
@@ -225,6 +175,7 @@ class Frame:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         *,
+        rerun: Callable[["Frame", Replay], None],
         preserve_rng_state: bool = True,
         determinism_check: str = "default",
         early_stop: bool = True,
@@ -236,16 +187,16 @@ class Frame:
         made = tls.frames_made + 1
         tls.frames_made = self.frames_made = made
         self.fn = fn
-        # Saved under the hooks active now: the parent frame's, when nested.
+        # Saved under the hooks active now: the parent frame's, when nested (not as outputs).
         self.inputs: list[Any] = [
-            _compat.make_saved_tensor(a, False) if isinstance(a, torch.Tensor) else a  # not an output
+            _compat.make_saved_tensor(a, False) if isinstance(a, torch.Tensor) else a
             for a in args
         ]
         self.kwargs = kwargs
         self.env = ReplayEnv(
             (*args, *kwargs.values()) if kwargs else args, preserve_rng_state
         )
-        self.rerun: Callable[[Frame, Replay], None] = rerun_function
+        self.rerun = rerun
         self.holders: list[Callable[[], Holder | None]] = []  # weakrefs, or a dead stand-in
         self.metas: list[tuple[Any, ...]] | None = [] if determinism_check == "default" else None
         self.early_stop = early_stop
@@ -447,189 +398,3 @@ def _take(replay: Replay, index: int, retain: bool, act: Any) -> torch.Tensor:
     if not retain:
         replay[index] = None
     return t
-
-
-# -- the default replay strategy: run the Python function again --------------------------
-
-
-class _Recorder:
-    """Pack hook of a replay: files each saved tensor at its position and checks it."""
-
-    __slots__ = ("frame", "tensors", "count", "stop_at", "last_op_first", "last_op_seq",
-                 "watch", "last_op_ran", "last_op_packs", "task", "probe", "input_ids",
-                 "mismatched")
-
-    def __init__(self, frame: Frame, tensors: Replay, inputs: list[Any]) -> None:
-        self.frame = frame
-        self.tensors = tensors
-        self.count = 0
-        n = len(tensors)
-        # A refill replay (Rule 7b) runs to the block's outputs.
-        self.stop_at = n if frame.early_stop and n and type(tensors) is list else -1
-        # Rule 6: from the pack at this position on, _LastOpWatch sees the replay's ops.
-        self.last_op_first = (frame.last_op_first if self.stop_at > 0 and frame.watch_last_op
-                              else -1)
-        self.last_op_seq = -1  # the sequence number the last op's packs see (set by arm)
-        self.watch: _LastOpWatch | None = None
-        self.last_op_ran: bool | None = False
-        self.last_op_packs: set[int] = set()
-        # A backward run inside the block restores its own thread state when it ends, a
-        # mode pushed there would vanish: the watch is armed in the replay's own task only.
-        self.task = _compat.current_graph_task_id() if self.last_op_first >= 0 else None
-        # Metadata mismatches, reported together once the replay ended (as torch does).
-        self.mismatched: list[tuple[int, tuple[Any, ...], tuple[Any, ...]]] = []
-        # First session replay of the frame: note which saved tensors alias inputs or
-        # parameters (for recompute_session_stats; native replays need not know).
-        self.probe: list[int] | None = (
-            [] if frame.shared is None and tls.scheduled_replay else None)
-        self.input_ids = {id(a) for a in inputs} if self.probe is not None else set()
-
-    def start(self) -> None:
-        """Before the block runs: watch from the start if its first saving op is its last."""
-        if self.last_op_first == 0:
-            self.arm()
-
-    def arm(self) -> None:
-        if _compat.current_graph_task_id() == self.task:
-            # The nodes the forward made from here to its last saving op: the last op is
-            # the one dispatched once the replay has made as many.
-            frame = self.frame
-            self.last_op_seq = _compat.next_sequence_nr() + frame.op_seq - frame.prev_op_seq
-            self.watch = _LastOpWatch(self)
-            self.watch.__enter__()
-
-    def disarm(self) -> None:
-        watch, self.watch = self.watch, None
-        if watch is not None and _compat.top_dispatch_mode() is watch:
-            watch.__exit__(None, None, None)
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        i = self.count
-        self.count = i + 1
-        probe = self.probe
-        if probe is not None and _aliases_input_or_leaf(x, self.input_ids):
-            probe.append(i)
-        if self.watch is not None:
-            return self._pack_watched(x, i)
-        if x.requires_grad:
-            x = x.detach()
-        self._file(x, i)
-        if i + 1 == self.stop_at:
-            raise _Stop  # torch's stop, in the pack of the last saved tensor (Rule 6)
-        if i + 1 == self.last_op_first:
-            self.arm()  # the next pack is the last op's first
-        return x
-
-    def _pack_watched(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        """A pack of the last op, its watch armed (Rule 6)."""
-        # The object the op will hold at the dispatcher, by id: a reference would be a cycle
-        # gc cannot see (x's graph holds this hook through its saved variables).
-        self.last_op_packs.add(id(x))
-        if x.requires_grad:
-            ran, self.last_op_ran = self.last_op_ran, None  # the watch lets this pass:
-            x = x.detach()                                 # not an op of the block
-            self.last_op_ran = ran
-        self._file(x, i)
-        if i + 1 == self.stop_at and self.last_op_ran:
-            raise _Stop  # the last op ran before this pack: its outputs are saved
-        # else an input of the last op, packed before the op runs: the watch decides
-        return x
-
-    def _file(self, x: torch.Tensor, i: int) -> None:
-        """Put the replayed tensor at position ``i`` if its holder lives, checking it."""
-        frame = self.frame
-        if i >= len(self.tensors):
-            if not frame.forward_done:
-                # Backward inside the block during its own forward: the replay may see more
-                # than the forward had saved when it was triggered (torch's Rule 6).
-                frame.ignore_count = True
-                return
-            raise CheckpointError(
-                "ckptfx.checkpoint: trying to save more tensors during recomputation than "
-                f"during the original forward pass ({len(frame.holders)}). The block must run "
-                "the same ops when replayed.\n" + DEBUG_TIP
-            )
-        if frame.holders[i]() is not None:
-            self.tensors[i] = x
-            metas = frame.metas
-            if metas is not None:
-                meta = metas[i]
-                if x.dtype != meta[1] or x.shape != meta[0] or x.device != meta[2]:
-                    self.mismatched.append((i, meta, (x.shape, x.dtype, x.device)))
-
-    def check(self, frame: Frame) -> None:
-        """After the replay: the count and metadata checks of Rule 5, in torch's words."""
-        if not frame.ignore_count and frame.forward_done and self.count != len(self.tensors):
-            raise CheckpointError(
-                "ckptfx.checkpoint: A different number of tensors was saved during the "
-                "original forward and recomputation.\n"
-                f"Number of tensors saved during forward: {len(self.tensors)}\n"
-                f"Number of tensors saved during recomputation: {self.count}.\n"
-                "The block must run the same ops when replayed.\n" + DEBUG_TIP
-            )
-        if self.mismatched:
-            lines = "".join(
-                f"tensor at position {i}:\n"
-                f"saved metadata: shape={tuple(m[0])} dtype={m[1]} device={m[2]}\n"
-                f"recomputed metadata: shape={tuple(r[0])} dtype={r[1]} device={r[2]}\n"
-                for i, m, r in self.mismatched
-            )
-            raise CheckpointError(
-                "ckptfx.checkpoint: Recomputed values for the following tensors have "
-                f"different metadata than during the forward pass.\n{lines}"
-                "The block must compute the same shapes and dtypes when replayed.\n"
-                + DEBUG_TIP
-            )
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
-def _aliases_input_or_leaf(x: torch.Tensor, input_ids: set[int]) -> bool:
-    if id(x) in input_ids:
-        return True
-    base = x._base
-    if base is None:
-        return x.requires_grad and x.grad_fn is None
-    return id(base) in input_ids or (base.requires_grad and base.grad_fn is None)
-
-
-def rerun_function(frame: Frame, tensors: Replay) -> None:
-    """Replay strategy: run the block's Python function again under a recording hook."""
-    args = frame.saved_inputs()
-    rec = _Recorder(frame, tensors, args)
-    ctx = frame.recompute_ctx
-    collectives = _collectives.replay_context(frame)
-    grad_was = torch.is_grad_enabled()
-    _compat.push_saved_tensors_hooks(rec.pack, _identity)
-    try:
-        torch._C._set_grad_enabled(True)  # torch.enable_grad(), without its wrapper object
-        with frame.env.restored():
-            if ctx is None and collectives is NULL_CONTEXT:
-                _run_to_stop(frame, rec, args, tensors)
-            else:
-                with (ctx if ctx is not None else NULL_CONTEXT), collectives:
-                    _run_to_stop(frame, rec, args, tensors)
-    finally:
-        torch._C._set_grad_enabled(grad_was)
-        _compat.pop_saved_tensors_hooks()
-    if rec.probe is not None:
-        frame.shared = frozenset(rec.probe)
-    rec.check(frame)
-
-
-def _run_to_stop(frame: Frame, rec: _Recorder, args: list[Any], tensors: Replay) -> None:
-    try:
-        rec.start()
-        out = frame.fn(*args, **frame.kwargs)
-        if type(tensors) is not list:  # a refill replay (Rule 7b)
-            frame.refill.fill_from_result(tensors, out)
-    except _Stop:
-        pass
-    finally:
-        rec.disarm()
-
-
-# Below the definitions _collectives imports from here (it is read at call time only).
-from . import _collectives  # noqa: E402

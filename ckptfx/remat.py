@@ -26,6 +26,7 @@ import optree
 import torch
 
 from . import _compat, _compile
+from ._function_replay import rerun_function
 from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from .func import call_function_path
 from .policies import (
@@ -318,7 +319,8 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     tensors = flat.tensors
     refill = scope_on_top()  # a ckptfx.refill_outputs() context around this block, if any
     with plain_saves(refill):
-        frame = Frame(flat.fn, tuple(tensors), {}, early_stop=options.early_stop)
+        frame = Frame(flat.fn, tuple(tensors), {}, rerun=rerun_function,
+                      early_stop=options.early_stop)
     plan = plan_for(fun, options.policy, options.always_record, flat.fn, tensors, args, kwargs,
                     learnt)
     tracer: Tracer | None = None

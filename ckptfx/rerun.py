@@ -77,7 +77,8 @@ from ._ops import _OP_INFO, op_info
 from ._signature import flat_signature, per_function, signature
 from ._tracers import tracer_stack
 from .budget import MemoryBudget
-from .frame import CheckpointError, Frame, Replay, rerun_function, tls
+from ._function_replay import rerun_function
+from .frame import CheckpointError, Frame, Replay, tls
 from .segment import check_outside
 
 __all__ = ["Plan", "keeps_nothing", "plan_for"]  # for remat.py

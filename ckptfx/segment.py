@@ -30,7 +30,8 @@ import optree
 import torch
 
 from ._ops import op_info as _op_info
-from .frame import CheckpointError, Frame, Replay, rerun_function
+from ._function_replay import rerun_function
+from .frame import CheckpointError, Frame, Replay
 
 __all__ = ["Segment", "check_outside"]
 
