@@ -228,10 +228,7 @@ class Frame:
         metas = self.metas
         if metas is not None:
             metas.append((x.shape, x.dtype, x.device))
-        seq = _next_sequence_nr()  # note_op, inlined: pack is the forward's hot path
-        if seq != self.op_seq:
-            self.prev_op_seq, self.op_seq = self.op_seq, seq
-            self.last_op_first = position
+        self.note_op(position)
         return holder
 
     def note_op(self, position: int) -> None:
