@@ -36,15 +36,6 @@ def _node_of(outputs: Any, seq: int) -> Any:
 
     Edges point to nodes made earlier (smaller numbers), so the walk prunes below ``seq``."""
     if isinstance(outputs, torch.Tensor):
-        node = outputs.grad_fn  # the common case, one output: its node or the one below
-        if node is None:
-            return None
-        n = node._sequence_nr()
-        if n <= seq:
-            return node if n == seq else None
-        for child, _ in node.next_functions:
-            if child is not None and child._sequence_nr() == seq:
-                return child
         leaves: Any = (outputs,)
     elif isinstance(outputs, (tuple, list)):
         leaves = outputs
