@@ -39,8 +39,9 @@ Rules (the invariants the code below keeps; read these before changing it)
    numbers the nodes it makes, and every pack of one op reads the same next number, so the
    frame knows where the packs of its last saving op start (``last_op_first``) and how many
    nodes were made since the saving op before it. The replay pushes a dispatch mode
-   (``_LastOpWatch``, in ``_function_replay.py``) at that boundary, before the last op dispatches (a mode pushed later
-   would miss it), and knows the last op when it reaches the watch by the nodes made so far.
+   (``_LastOpWatch``, in ``_function_replay.py``) at that boundary, before the last op
+   dispatches (a mode pushed later would miss it), and knows the last op when it reaches the
+   watch by the nodes made so far.
    If the last op ran before its last pack (the last tensors are its outputs), the pack hook
    stops as torch does; if the last tensors are its inputs, the op reaches the watch next,
    which runs it only when it writes one of them, then stops. The watch sees only the ops
@@ -59,7 +60,8 @@ Rules (the invariants the code below keeps; read these before changing it)
    with a writable argument, or a frame created inside this one's forward (its inputs are
    packed outside any op, so the last pack need not belong to that node).
 7. How a frame replays is a strategy (``Frame.rerun``, given by the frame's maker):
-   re-running the Python function (``_function_replay.py``), a recorded segment in ``remat``. Strategies fill the same list; keys, caching, handing out
+   re-running the Python function (``_function_replay.py``), a recorded segment in
+   ``remat``. Strategies fill the same list; keys, caching, handing out
    and checks are the frame's.
 
 7b. A frame whose outputs a ``ckptfx.refill_outputs`` context handed out as handles
