@@ -87,10 +87,7 @@ def is_collective(func: Any) -> bool:
 
 def watch_needed() -> bool:
     """Rule 3: a mode only where a collective can run."""
-    if _registered:
-        return True
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
+    return bool(_registered) or _compat.distributed_initialized()
 
 
 def collective_decision(policy: Any, ctx: Any, func: Any, args: tuple, kwargs: dict) -> Any:

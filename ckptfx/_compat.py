@@ -15,6 +15,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 
 
+# torch.distributed.is_initialized, looked up once (None where torch is built without it):
+# read by every checkpoint forward and prefire, where a cold module attribute chain shows.
+_dist_is_initialized = (torch.distributed.is_initialized if torch.distributed.is_available()
+                        else None)
+
+
+def distributed_initialized() -> bool:
+    """``torch.distributed.is_available() and torch.distributed.is_initialized()``."""
+    return _dist_is_initialized is not None and _dist_is_initialized()
+
+
 def skip_dynamo(code: Any) -> None:
     """Mark a code object so that dynamo never compiles it, nor the frames it calls.
 

@@ -56,9 +56,7 @@ from .frame import CheckpointError
 __all__ = ["DataParallel", "before_prefire", "observing", "unshard_fsdp_modules"]
 
 
-def _distributed_active() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
+_distributed_active = _compat.distributed_initialized
 
 
 def _classes() -> tuple[type, type]:

@@ -27,12 +27,11 @@ Rules
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import threading
 import weakref
-from typing import Any, Hashable, Iterator
+from typing import Any, ContextManager, Hashable
 
 from ._distributed import before_prefire
 from .frame import CheckpointError, Frame, tls
@@ -157,8 +156,7 @@ class SessionStats:
 # -- collector ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def recompute_handle_collector_ctx() -> Iterator[list[RecomputeHandle]]:
+def recompute_handle_collector_ctx() -> ContextManager[list[RecomputeHandle]]:
     """Collect a ``RecomputeHandle`` for each checkpointed call made in this scope.
 
     Every frame created by ``ckptfx.checkpoint`` or ``ckptfx.remat`` inside the ``with`` block
@@ -174,12 +172,22 @@ def recompute_handle_collector_ctx() -> Iterator[list[RecomputeHandle]]:
         for h in handles:
             ckptfx.recompute_handle(h, session_id=("stage0", mb))
     """
-    handles: list[RecomputeHandle] = []
-    token = _collector.set(handles)
-    try:
-        yield handles
-    finally:
-        _collector.reset(token)
+    return _Collector()
+
+
+class _Collector:
+    """``recompute_handle_collector_ctx``'s context manager (a class: one per forward of a
+    split step). Single use."""
+
+    __slots__ = ("handles", "token")
+
+    def __enter__(self) -> list[RecomputeHandle]:
+        self.handles: list[RecomputeHandle] = []
+        self.token = _collector.set(self.handles)
+        return self.handles
+
+    def __exit__(self, *exc: Any) -> None:
+        _collector.reset(self.token)
 
 
 def forward_to_outer_collector(handles: list[RecomputeHandle]) -> None:
@@ -250,6 +258,20 @@ def _register(frame: Frame, session: Session) -> None:
     session.frames.add(frame)
 
 
+def _frames_of(session: Session) -> list[Frame]:
+    """``list(session.frames)``, from a snapshot of the WeakSet's references (copying a set
+    runs no Python code, so no frame can die halfway), at a fifth of its iterator's cost:
+    each backward call of a split step binds and unbinds every frame of its session."""
+    frames = []
+    # WeakSet keeps its references in .data (CPython's weakref module, every version)
+    refs: set[weakref.ref[Frame]] = session.frames.data  # type: ignore[attr-defined]
+    for ref in list(refs):
+        frame = ref()
+        if frame is not None:
+            frames.append(frame)
+    return frames
+
+
 def _bind(frame: Frame, act: Activation) -> None:
     current = frame.active
     if current is not None and current.session is not act.session:
@@ -261,8 +283,8 @@ def _bind(frame: Frame, act: Activation) -> None:
     frame.active = act
 
 
-@contextlib.contextmanager
-def recompute_session_ctx(session_id: Hashable, retain_on_unpack: bool = False) -> Iterator[None]:
+def recompute_session_ctx(session_id: Hashable,
+                          retain_on_unpack: bool = False) -> ContextManager[None]:
     """Run backward calls of one session: every frame they read is replayed once for it.
 
     Inside the block, backward calls that unpack tensors of the session's frames use the
@@ -297,34 +319,51 @@ def recompute_session_ctx(session_id: Hashable, retain_on_unpack: bool = False) 
         finally:
             ckptfx.clear_recompute_session(sid)
     """
-    _check_session_id(session_id)
-    if not isinstance(retain_on_unpack, bool):
-        raise ValueError(
-            f"retain_on_unpack must be a bool, got {type(retain_on_unpack).__name__}"
-        )
-    outer = tls.activation
-    if outer is not None:
-        raise CheckpointError(
-            f"ckptfx: recompute_session_ctx({session_id!r}) opened inside "
-            f"recompute_session_ctx({outer.session.id!r}) on the same thread; session "
-            "contexts do not nest. Close the first before opening the next."
-        )
-    with _lock:
-        session = _session(session_id)
-        act = Activation(session, retain_on_unpack)
-        try:
-            for frame in list(session.frames):
-                _bind(frame, act)
-        except BaseException:
-            _unbind(session, act)
-            _drop_if_empty(session)
-            raise
-        session.act = act
-        session.contexts += 1
-    tls.activation = act
-    try:
-        yield
-    finally:
+    return _SessionContext(session_id, retain_on_unpack)
+
+
+class _SessionContext:
+    """``recompute_session_ctx``'s context manager (a class: one per backward call of a split
+    step, where a generator-based one costs more than the rest of it). Single use; the
+    arguments are checked on entry."""
+
+    __slots__ = ("session_id", "retain", "session", "act")
+
+    def __init__(self, session_id: Hashable, retain_on_unpack: bool) -> None:
+        self.session_id = session_id
+        self.retain = retain_on_unpack
+
+    def __enter__(self) -> None:
+        session_id, retain_on_unpack = self.session_id, self.retain
+        _check_session_id(session_id)
+        if not isinstance(retain_on_unpack, bool):
+            raise ValueError(
+                f"retain_on_unpack must be a bool, got {type(retain_on_unpack).__name__}"
+            )
+        outer = tls.activation
+        if outer is not None:
+            raise CheckpointError(
+                f"ckptfx: recompute_session_ctx({session_id!r}) opened inside "
+                f"recompute_session_ctx({outer.session.id!r}) on the same thread; session "
+                "contexts do not nest. Close the first before opening the next."
+            )
+        with _lock:
+            session = _session(session_id)
+            act = Activation(session, retain_on_unpack)
+            try:
+                for frame in _frames_of(session):
+                    _bind(frame, act)
+            except BaseException:
+                _unbind(session, act)
+                _drop_if_empty(session)
+                raise
+            session.act = act
+            session.contexts += 1
+        self.session, self.act = session, act
+        tls.activation = act
+
+    def __exit__(self, *exc: Any) -> None:
+        session, act = self.session, self.act
         tls.activation = None
         with _lock:
             if session.act is act:
@@ -346,7 +385,7 @@ def _drop_if_empty(session: Session) -> None:
 
 
 def _unbind(session: Session, act: Activation) -> None:
-    for frame in list(session.frames):
+    for frame in _frames_of(session):
         if frame.active is act:
             frame.active = None
 
@@ -444,7 +483,7 @@ def clear_recompute_session(session_id: Hashable) -> None:
         if session is None:
             return
         session.cleared = True
-        for frame in list(session.frames):
+        for frame in _frames_of(session):
             frame.replays.pop(session, None)
             if frame.session is session:
                 frame.session = None
@@ -466,7 +505,7 @@ def recompute_session_stats() -> dict[Hashable, SessionStats]:
     out: dict[Hashable, SessionStats] = {}
     with _lock:
         for session_id, session in list(_registry.items()):
-            frames = list(session.frames)
+            frames = _frames_of(session)
             storages: dict[int, int] = {}
             tensors = replayed = 0
             for frame in frames:
