@@ -15,15 +15,25 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 
 
-# torch.distributed.is_initialized, looked up once (None where torch is built without it):
-# read by every checkpoint forward and prefire, where a cold module attribute chain shows.
-_dist_is_initialized = (torch.distributed.is_initialized if torch.distributed.is_available()
-                        else None)
+# Whether torch.distributed has a default process group: read by every checkpoint forward
+# and prefire, where is_initialized()'s class-property chain shows. Its state object
+# (c10d's ``_world``, torch >= 2.0), else the public function; None without c10d.
+def _default_pg_reader() -> Callable[[], bool] | None:
+    if not torch.distributed.is_available():
+        return None
+    c10d = torch.distributed.distributed_c10d
+    world = getattr(c10d, "_world", None)
+    if world is not None and hasattr(world, "default_pg"):
+        return lambda: world.default_pg is not None
+    return c10d.is_initialized
+
+
+_default_pg_set = _default_pg_reader()
 
 
 def distributed_initialized() -> bool:
     """``torch.distributed.is_available() and torch.distributed.is_initialized()``."""
-    return _dist_is_initialized is not None and _dist_is_initialized()
+    return _default_pg_set is not None and _default_pg_set()
 
 
 def skip_dynamo(code: Any) -> None:

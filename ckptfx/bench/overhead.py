@@ -26,7 +26,10 @@ split   a split step over 6 small MLP blocks (d=64, hidden 256, batch 8): ckptfx
         checkpointing (target <= 1.5x). Floors: torch's own split (stage_backward_input /
         stage_backward_weight) over the same blocks without checkpointing, the autograd
         calls a per-group weight pass makes at the least; a fused step plus one more
-        forward, the compute that any step replaying each block once adds. Also: ckptfx's
+        forward, the compute that any step replaying each block once adds; the split
+        floor: the hook floor's forward and replays plus vjp_split's two engine calls at
+        this size (dx, then one weight backward from the outputs), what any checkpointed
+        split replaying each block once through saved-tensor hooks pays. Also: ckptfx's
         checkpoint with prefire and one fused backward, vjp_split against it, and
         vjp_split forced to its per-group weight pass (what the rule's choice saves).
 vjp256  dx + dw of ``vjp_split`` vs one fused backward over 6 checkpointed transformer
@@ -314,6 +317,17 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
             _run_to_last_pack(b, x, saves_per_block)
         _split_backward(out, x, params, g, None)
 
+    def split_floor() -> None:
+        # The least a checkpointed split with one replay per block costs here: the hook
+        # floor's forward and replays, then vjp_split's two engine calls at this size (its
+        # whole weight pass: dx, then one weight backward from the outputs).
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            out = plain(x)
+        for b in blocks:
+            _run_to_last_pack(b, x, saves_per_block)
+        torch.autograd.grad(out, x, g, retain_graph=True)
+        torch.autograd.grad(out, params, g)
+
     def fused_and_forward() -> None:
         plain(x)  # the compute of one replay, which any checkpointed step adds
         fused()
@@ -332,7 +346,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
     fns = {"none": none, "ckptfx sessions": sessions, "hook floor": hook_floor,
            "vjp_split": vjp_split,
            "vjp_split per group": vjp_split_per_group, "fused": fused,
-           "floor": torch_split_plain, "fused + forward": fused_and_forward,
+           "floor": torch_split_plain, "split floor": split_floor,
+           "fused + forward": fused_and_forward,
            "ckptfx fused": ckptfx_fused}
     times = rounds_of(fns, rounds, inner)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -341,6 +356,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
     r_sess_floor = ratio(times, "ckptfx sessions", "hook floor")
     r_vjp = ratio(times, "vjp_split", "fused")
     r_floor = ratio(times, "floor", "fused")
+    r_split_floor = ratio(times, "split floor", "fused")
+    r_vjp_split_floor = ratio(times, "vjp_split", "split floor")
     r_recompute = ratio(times, "fused + forward", "fused")
     r_ck = ratio(times, "ckptfx fused", "fused")
     r_vjp_ck = ratio(times, "vjp_split", "ckptfx fused")
@@ -355,6 +372,9 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
           f"{_fmt(r_hooks)}; ckptfx sessions / that floor: {_fmt(r_sess_floor)}")
     print(f"  vjp_split step / fused step:          {_fmt(r_vjp)}   (target <= 1.5)")
     print(f"  floor: torch's split without checkpointing / fused: {_fmt(r_floor)}")
+    print(f"  floor: saved-tensor hooks + one more forward to each block's last pack + "
+          f"vjp_split's two engine calls (dx, then dw from the outputs) / fused: "
+          f"{_fmt(r_split_floor)}; vjp_split / that floor: {_fmt(r_vjp_split_floor)}")
     print(f"  floor: fused step + one more forward (a replay's compute) / fused: "
           f"{_fmt(r_recompute)}")
     print(f"  ckptfx checkpoint, prefire + one fused backward / fused: {_fmt(r_ck)}")
@@ -364,6 +384,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
     return {"split_sessions_vs_none": r_sess[0], "split_hook_floor_vs_none": r_hooks[0],
             "split_sessions_vs_hook_floor": r_sess_floor[0], "split_vjp_vs_fused": r_vjp[0],
             "split_torch_plain_vs_fused": r_floor[0],
+            "split_vjp_floor_vs_fused": r_split_floor[0],
+            "split_vjp_vs_vjp_floor": r_vjp_split_floor[0],
             "split_fused_plus_forward_vs_fused": r_recompute[0],
             "split_ckptfx_fused_vs_fused": r_ck[0], "split_vjp_vs_ckptfx_fused": r_vjp_ck[0],
             "split_vjp_per_group_vs_fused": r_pg[0], "split_vjp_vs_per_group": r_whole[0]}
