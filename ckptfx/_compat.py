@@ -182,17 +182,18 @@ def is_compiled_backward_node(node: Any) -> bool:
 
 def any_node(tensors: Sequence[torch.Tensor], pred: Callable[[Any], bool]) -> bool:
     """True if ``pred`` holds for an autograd node in the history of ``tensors`` (each node
-    visited once, iteratively: graphs are deep)."""
-    seen: set[int] = set()
+    visited once, iteratively: graphs are deep). Nodes are their own keys: autograd hands out
+    one Python object per live node."""
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set(stack)
     while stack:
         node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
         if pred(node):
             return True
-        stack.extend(n for n, _ in node.next_functions if n is not None and id(n) not in seen)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
     return False
 
 
