@@ -3,10 +3,10 @@ block writes none of its arguments, so the replay's early stop needs no dispatch
 
 Found after the forward from the outputs' autograd graph: the node with the sequence number
 the last packs read (``_node_of``), checked to be the node that saved the last packed object
-(``_holder_of``: sequence numbers are per thread, autograd hands out what a pack hook
-returned), and judged by the ATen op its class names (``node_never_writes_an_input``).
-Every doubt answers False: the frame keeps its watch. Where the node was found last time
-below outputs of the same kind is tried first (``_HINTS``), with the same checks."""
+(``_holds``: sequence numbers are per thread, autograd hands out what a pack hook returned),
+and judged by the ATen op its class names (``node_never_writes_an_input``). Every doubt
+answers False: the frame keeps its watch.
+"""
 
 from __future__ import annotations
 
@@ -24,73 +24,23 @@ aten = torch.ops.aten
 def last_op_writes_nothing(outputs: Any, seq: int, packed: Any) -> bool:
     """True if the node numbered ``seq`` below ``outputs`` saved ``packed`` and its op
     provably writes none of its arguments."""
-    leaves = _leaves(outputs)
-    root = _first_node(leaves)
-    if root is None:
-        return False
-    hint = _HINTS.get(type(root))
-    if hint is not None:  # where the last node was below a root of this class before
-        node = _child(root, hint[0])
-        if (node is not None and node._sequence_nr() == seq
-                and node_never_writes_an_input(node) and _saved_in(node, hint[1], packed)):
-            return True
-    node = _node_of(leaves, seq)
-    if node is None or not node_never_writes_an_input(node):
-        return False
-    name = _holder_of(node, packed)
-    if name is None:
-        return False
-    _note_hint(root, node, name)
-    return True
-
-
-# A hint only says where to look first: every use checks what the walk would (the node's
-# number, that it saved ``packed``, its op), so a stale hint costs a walk, never a wrong
-# answer. Keyed by the class of the outputs' first node: a bounded set (torch's node types).
-_HINTS: dict[type, tuple[int, str]] = {}
-
-
-def _leaves(outputs: Any) -> Any:
-    if isinstance(outputs, torch.Tensor):
-        return (outputs,)
-    if isinstance(outputs, (tuple, list)):
-        return outputs
-    return optree.tree_leaves(outputs, none_is_leaf=True)
-
-
-def _first_node(leaves: Any) -> Any:
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-            return t.grad_fn
-    return None
-
-
-def _child(root: Any, index: int) -> Any:
-    """``root`` itself (index -1) or its ``index``-th input node, or None."""
-    if index < 0:
-        return root
-    edges = root.next_functions
-    return edges[index][0] if index < len(edges) else None
-
-
-def _note_hint(root: Any, node: Any, name: str) -> None:
-    if node is root:
-        _HINTS[type(root)] = (-1, name)
-        return
-    for i, (child, _) in enumerate(root.next_functions):
-        if child is node:
-            _HINTS[type(root)] = (i, name)
-            return
+    node = _node_of(outputs, seq)
+    return node is not None and node_never_writes_an_input(node) and _holds(node, packed)
 
 
 _NODE_WALK = 64  # nodes the walk visits at most
 
 
-def _node_of(leaves: Any, seq: int) -> Any:
-    """The autograd node with sequence number ``seq`` reachable from the tensors among
-    ``leaves``, or None.
+def _node_of(outputs: Any, seq: int) -> Any:
+    """The autograd node with sequence number ``seq`` reachable from ``outputs``, or None.
 
     Edges point to nodes made earlier (smaller numbers), so the walk prunes below ``seq``."""
+    if isinstance(outputs, torch.Tensor):
+        leaves: Any = (outputs,)
+    elif isinstance(outputs, (tuple, list)):
+        leaves = outputs
+    else:
+        leaves = optree.tree_leaves(outputs, none_is_leaf=True)
     stack = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set[Any] = set()
     while stack and len(seen) < _NODE_WALK:
@@ -109,26 +59,18 @@ def _node_of(leaves: Any, seq: int) -> Any:
 _RAW_SAVED: dict[type, tuple[str, ...]] = {}
 
 
-def _holder_of(node: Any, packed: Any) -> str | None:
-    """The name of ``node``'s saved variable that holds ``packed`` (what a pack hook returned
-    for it), or None: the node is the op that made that pack, whatever its sequence number
-    says (numbers are per thread)."""
+def _holds(node: Any, packed: Any) -> bool:
+    """True if ``node`` saved ``packed`` (what a pack hook returned for it): the node is the
+    op that made that pack, whatever its sequence number says (numbers are per thread)."""
     names = _RAW_SAVED.get(type(node))
     if names is None:
         names = _RAW_SAVED[type(node)] = tuple(n for n in dir(node)
                                                 if n.startswith("_raw_saved_"))
     for name in names:
-        if _saved_in(node, name, packed):
-            return name
-    return None
-
-
-def _saved_in(node: Any, name: str, packed: Any) -> bool:
-    """True if ``node``'s saved variable (or list of them) ``name`` holds ``packed``."""
-    saved = getattr(node, name, None)
-    for st in saved if isinstance(saved, (list, tuple)) else (saved,):
-        if st is not None and st.data is packed:
-            return True
+        saved = getattr(node, name)
+        for st in saved if isinstance(saved, (list, tuple)) else (saved,):
+            if st is not None and st.data is packed:
+                return True
     return False
 
 

@@ -63,31 +63,6 @@ def test_last_op_filling_a_saved_buffer_keeps_the_watch() -> None:
     assert_bitwise(torch.autograd.grad(out.square().sum(), [x, w]), expected)
 
 
-def test_a_hint_from_a_safe_block_never_vouches_for_an_unsafe_one() -> None:
-    # Both blocks end in x + op(...): the proof first looks where the last node was under an
-    # AddBackward0 before (the safe block's linear), and must still find rrelu here.
-    w = torch.randn(8, 8, requires_grad=True)
-
-    def safe(x: torch.Tensor) -> torch.Tensor:
-        return x + F.linear(x, w)
-
-    def unsafe(x: torch.Tensor) -> torch.Tensor:
-        return x + F.rrelu(F.linear(x, w), training=True)
-
-    x = torch.randn(4, 8, requires_grad=True)
-    for _ in range(2):
-        _, frame = _frame_of(safe, x)
-        assert frame.watch_last_op is False
-    torch.manual_seed(3)
-    expected = torch.autograd.grad(unsafe(x).square().sum(), [x, w])
-    torch.manual_seed(3)
-    out, frame = _frame_of(unsafe, x)
-    assert frame.watch_last_op is True
-    assert_bitwise(torch.autograd.grad(out.square().sum(), [x, w]), expected)
-    _, frame = _frame_of(safe, x)  # and the safe block is still proven afterwards
-    assert frame.watch_last_op is False
-
-
 def test_frame_made_inside_the_forward_keeps_the_watch() -> None:
     def inner(x: torch.Tensor) -> torch.Tensor:
         return x.sin() * 2
