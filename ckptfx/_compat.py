@@ -16,15 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 
 
 # Whether torch.distributed has a default process group: read by every checkpoint forward
-# and prefire, where is_initialized()'s class-property chain shows. Its state object
-# (c10d's ``_world``, torch >= 2.0), else the public function; None without c10d.
+# and prefire, where is_initialized()'s class-property chain shows. c10d's state object is
+# looked up on each call: torch may replace it (its threaded test harness does).
 def _default_pg_reader() -> Callable[[], bool] | None:
     if not torch.distributed.is_available():
         return None
     c10d = torch.distributed.distributed_c10d
-    world = getattr(c10d, "_world", None)
-    if world is not None and hasattr(world, "default_pg"):
-        return lambda: world.default_pg is not None
+    if hasattr(getattr(c10d, "_world", None), "default_pg"):  # torch >= 2.0
+        return lambda: c10d._world.default_pg is not None
     return c10d.is_initialized
 
 

@@ -27,6 +27,7 @@ Rules
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import threading
@@ -175,13 +176,25 @@ def recompute_handle_collector_ctx() -> ContextManager[list[RecomputeHandle]]:
     return _Collector()
 
 
-class _Collector:
+def _used_twice(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"ckptfx: this {what}() object was already entered once; it is single use, like a "
+        f"contextlib context manager. Call {what}() again for each with-block."
+    )
+
+
+class _Collector(contextlib.ContextDecorator):
     """``recompute_handle_collector_ctx``'s context manager (a class: one per forward of a
-    split step). Single use."""
+    split step). Single use; as a decorator, a new one per call."""
 
     __slots__ = ("handles", "token")
 
+    def _recreate_cm(self) -> "_Collector":
+        return _Collector()
+
     def __enter__(self) -> list[RecomputeHandle]:
+        if hasattr(self, "handles"):
+            raise _used_twice("recompute_handle_collector_ctx")
         self.handles: list[RecomputeHandle] = []
         self.token = _collector.set(self.handles)
         return self.handles
@@ -322,18 +335,25 @@ def recompute_session_ctx(session_id: Hashable,
     return _SessionContext(session_id, retain_on_unpack)
 
 
-class _SessionContext:
+class _SessionContext(contextlib.ContextDecorator):
     """``recompute_session_ctx``'s context manager (a class: one per backward call of a split
-    step, where a generator-based one costs more than the rest of it). Single use; the
-    arguments are checked on entry."""
+    step, where a generator-based one costs more than the rest of it). Single use; as a
+    decorator, a new one per call. The arguments are checked on entry."""
 
-    __slots__ = ("session_id", "retain", "session", "act")
+    __slots__ = ("session_id", "retain", "entered", "session", "act")
 
     def __init__(self, session_id: Hashable, retain_on_unpack: bool) -> None:
         self.session_id = session_id
         self.retain = retain_on_unpack
+        self.entered = False
+
+    def _recreate_cm(self) -> "_SessionContext":
+        return _SessionContext(self.session_id, self.retain)
 
     def __enter__(self) -> None:
+        if self.entered:
+            raise _used_twice("recompute_session_ctx")
+        self.entered = True
         session_id, retain_on_unpack = self.session_id, self.retain
         _check_session_id(session_id)
         if not isinstance(retain_on_unpack, bool):
