@@ -7,8 +7,10 @@ forward and hands them to the replay.
 
 Rules
 
-1. A *collective* is an op of the ``c10d``, ``_c10d_functional`` or ``c10d_functional``
-   namespaces, or an op passed to ``ckptfx.register_collective``. FSDP2's own ops (those run
+1. A *collective* is an op of the ``c10d``, ``_c10d_functional``, ``_c10d_functional_autograd``
+   or ``c10d_functional`` namespaces but ``_c10d_functional._wrap_tensor_autograd`` (a local
+   op: it wraps a tensor into an ``AsyncCollectiveTensor``, and the replay runs it on the
+   replayed tensor), or an op passed to ``ckptfx.register_collective``. FSDP2's own ops (those run
    inside FSDP's ``record_function("FSDP::...")`` scopes: its all-gathers, copies and views
    of unsharded parameters) are not the block's: they are run, never recorded or kept, and
    the unsharded parameters they fill are read by the block like any parameter.
@@ -45,7 +47,9 @@ from .frame import NULL_CONTEXT as NULL, CheckpointError
 __all__ = ["Recorder", "Replayer", "Watch", "is_collective", "register_collective",
            "replay_context", "watch_needed"]
 
-_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd",
+                         "c10d_functional"})
+_LOCAL = frozenset({"_wrap_tensor_autograd"})  # op names in those namespaces: no collective
 _registered: set[Any] = set()
 _KIND: dict[Any, bool] = {}
 _RF_ENTER = getattr(getattr(torch.ops.profiler, "_record_function_enter_new", None), "default",
@@ -81,7 +85,9 @@ def register_collective(op: Any) -> None:
 def is_collective(func: Any) -> bool:
     kind = _KIND.get(func)
     if kind is None:
-        kind = _KIND[func] = func in _registered or getattr(func, "namespace", None) in _NAMESPACES
+        kind = _KIND[func] = func in _registered or (
+            getattr(func, "namespace", None) in _NAMESPACES
+            and getattr(func, "_opname", None) not in _LOCAL)
     return kind
 
 
@@ -175,6 +181,14 @@ class Log:
                         leaf = _Own(k)  # the replay hands back its own buffer, refilled
                         break
                 else:
+                    if type(leaf) is not torch.Tensor and not isinstance(
+                            leaf, torch.nn.Parameter):
+                        raise CheckpointError(
+                            f"ckptfx: the collective {func} returned a tensor subclass "
+                            f"({type(leaf).__name__}), whose output ckptfx cannot keep for the "
+                            "replay. Move the collective out of the checkpointed block, or "
+                            "checkpoint the code around it"
+                        )
                     leaf = _compat.detach_unrecorded(leaf)
             kept.append(leaf)
         entry = _Entry(func, (spec, kept), [_compat.detach_unrecorded(w) for w in written],

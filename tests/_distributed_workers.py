@@ -135,6 +135,39 @@ def _collectives(rank: int) -> dict:
         out[name] = (Block.runs, counts.n.get("c10d.allreduce_.default", 0))
         grads[name] = x.grad
     out["bitwise"] = {k: torch.equal(g, grads["plain"]) for k, g in grads.items()}
+    out["functional"] = _functional_collectives(rank)
+    return out
+
+
+def _functional_collectives(rank: int) -> dict:
+    """The same with a functional all_reduce (an AsyncCollectiveTensor waited on by the next
+    op): (block runs, all_reduces in the backward) per variant, and bitwise grads. The plain
+    backward runs one all_reduce itself (the gradient's)."""
+    import torch.distributed._functional_collectives as fc
+
+    def blk(x: torch.Tensor) -> torch.Tensor:
+        Block.runs += 1
+        y = fc.all_reduce(torch.sin(x) * 3, "sum", dist.group.WORLD)
+        return torch.cos(y) * x
+
+    variants = {
+        "plain": blk,
+        "checkpoint": lambda x: ckptfx.checkpoint(blk, x),
+        "remat": ckptfx.remat(blk),
+        "torch": lambda x: tcp.checkpoint(blk, x, use_reentrant=False),
+    }
+    out: dict = {}
+    grads = {}
+    for name, f in variants.items():
+        torch.manual_seed(rank)
+        x = torch.randn(6, requires_grad=True)
+        Block.runs = 0
+        loss = f(x).sum()
+        with OpCounts() as counts:
+            loss.backward()
+        out[name] = (Block.runs, counts.n.get("_c10d_functional.all_reduce.default", 0))
+        grads[name] = x.grad
+    out["bitwise"] = {k: torch.equal(g, grads["plain"]) for k, g in grads.items()}
     return out
 
 

@@ -115,6 +115,24 @@ def test_a_replay_calling_other_collectives_raises(registered: None) -> None:
         y.sum().backward()
 
 
+def test_a_collective_returning_a_tensor_subclass_is_refused_in_the_forward() -> None:
+    # Its output cannot be kept as a plain alias (a wrapper subclass has no data of its own):
+    # the forward says so, rather than the replay handing out an empty tensor.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from ckptfx import _collectives
+    op = torch.ops.aten.sin.default
+    ckptfx.register_collective(op)
+    try:
+        x = TwoTensor(torch.randn(3), torch.randn(3)).requires_grad_()
+        with pytest.raises(ckptfx.CheckpointError, match="returned a tensor subclass"):
+            ckptfx.checkpoint(lambda t: torch.sin(t) * 2, x)
+    finally:
+        _collectives._registered.discard(op)
+        _collectives._KIND.pop(op, None)
+    assert not _collectives.is_collective(op)
+
+
 def test_register_collective_names_what_it_expects() -> None:
     with pytest.raises(TypeError, match="register_collective: op must be"):
         ckptfx.register_collective("c10d.allreduce_")
@@ -138,6 +156,19 @@ def test_real_all_reduce_inside_a_block_is_not_replayed(two_ranks: dict) -> None
         assert c["torch"] == (2, 1)  # torch replays the all_reduce in the backward
         assert c["checkpoint"] == (2, 0)  # Python re-run, the all_reduce answered from the log
         assert c["remat"] == c["remat_dots"] == (1, 0)
+        assert all(c["bitwise"].values()), c["bitwise"]
+
+
+def test_functional_all_reduce_inside_a_block_is_not_replayed(two_ranks: dict) -> None:
+    # fc.all_reduce returns an AsyncCollectiveTensor (made by a local wrapping op, which the
+    # replay runs): the replay answers the all_reduce from the log; the one all_reduce left
+    # in each backward is the gradient's, as in the plain backward.
+    for r in two_ranks.values():
+        c = r["collectives"]["functional"]
+        assert c["plain"] == (1, 1)
+        assert c["torch"] == (2, 2)  # torch replays the all_reduce in the backward
+        assert c["checkpoint"] == (2, 1)
+        assert c["remat"][1] == 1
         assert all(c["bitwise"].values()), c["bitwise"]
 
 
