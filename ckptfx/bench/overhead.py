@@ -320,7 +320,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
     def split_floor() -> None:
         # The least a checkpointed split with one replay per block costs here: the hook
         # floor's forward and replays, then vjp_split's two engine calls at this size (its
-        # whole weight pass: dx, then one weight backward from the outputs).
+        # whole weight pass: dx, then one weight backward from the outputs; the gradients
+        # returned, where vjp_split also puts them in .grad).
         with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
             out = plain(x)
         for b in blocks:
