@@ -108,8 +108,36 @@ def _eq(a: list, b: list) -> bool:
 # -- two ranks ---------------------------------------------------------------------------------
 
 
-def _collectives(rank: int) -> dict:
+def _runs_and_backward_collectives(rank: int, blk: Callable[[torch.Tensor], torch.Tensor],
+                                   collective: str, dots: bool = True) -> dict:
+    """Per variant around ``blk``: (block runs, calls of ``collective`` in the backward), and
+    whether each variant's gradient is bitwise the plain one."""
+    variants = {
+        "plain": blk,
+        "checkpoint": lambda x: ckptfx.checkpoint(blk, x),
+        "remat": ckptfx.remat(blk),
+        "torch": lambda x: tcp.checkpoint(blk, x, use_reentrant=False),
+    }
+    if dots:
+        variants["remat_dots"] = ckptfx.remat(
+            blk, policy=ckptfx.checkpoint_policies.dots_saveable)
     out: dict = {}
+    grads = {}
+    for name, f in variants.items():
+        torch.manual_seed(rank)
+        x = torch.randn(6, requires_grad=True)
+        Block.runs = 0
+        loss = f(x).sum()
+        with OpCounts() as counts:
+            loss.backward()
+        out[name] = (Block.runs, counts.n.get(collective, 0))
+        grads[name] = x.grad
+    out["bitwise"] = {k: torch.equal(g, grads["plain"]) for k, g in grads.items()}
+    return out
+
+
+def _collectives(rank: int) -> dict:
+    import torch.distributed._functional_collectives as fc
 
     def blk(x: torch.Tensor) -> torch.Tensor:
         Block.runs += 1
@@ -117,57 +145,16 @@ def _collectives(rank: int) -> dict:
         dist.all_reduce(y)
         return torch.cos(y) * x
 
-    variants = {
-        "plain": blk,
-        "checkpoint": lambda x: ckptfx.checkpoint(blk, x),
-        "remat": ckptfx.remat(blk),
-        "remat_dots": ckptfx.remat(blk, policy=ckptfx.checkpoint_policies.dots_saveable),
-        "torch": lambda x: tcp.checkpoint(blk, x, use_reentrant=False),
-    }
-    grads = {}
-    for name, f in variants.items():
-        torch.manual_seed(rank)
-        x = torch.randn(6, requires_grad=True)
-        Block.runs = 0
-        loss = f(x).sum()
-        with OpCounts() as counts:
-            loss.backward()
-        out[name] = (Block.runs, counts.n.get("c10d.allreduce_.default", 0))
-        grads[name] = x.grad
-    out["bitwise"] = {k: torch.equal(g, grads["plain"]) for k, g in grads.items()}
-    out["functional"] = _functional_collectives(rank)
-    return out
-
-
-def _functional_collectives(rank: int) -> dict:
-    """The same with a functional all_reduce (an AsyncCollectiveTensor waited on by the next
-    op): (block runs, all_reduces in the backward) per variant, and bitwise grads. The plain
-    backward runs one all_reduce itself (the gradient's)."""
-    import torch.distributed._functional_collectives as fc
-
-    def blk(x: torch.Tensor) -> torch.Tensor:
+    def functional(x: torch.Tensor) -> torch.Tensor:
+        # an AsyncCollectiveTensor, waited on by the next op; the plain backward runs one
+        # all_reduce itself (the gradient's)
         Block.runs += 1
         y = fc.all_reduce(torch.sin(x) * 3, "sum", dist.group.WORLD)
         return torch.cos(y) * x
 
-    variants = {
-        "plain": blk,
-        "checkpoint": lambda x: ckptfx.checkpoint(blk, x),
-        "remat": ckptfx.remat(blk),
-        "torch": lambda x: tcp.checkpoint(blk, x, use_reentrant=False),
-    }
-    out: dict = {}
-    grads = {}
-    for name, f in variants.items():
-        torch.manual_seed(rank)
-        x = torch.randn(6, requires_grad=True)
-        Block.runs = 0
-        loss = f(x).sum()
-        with OpCounts() as counts:
-            loss.backward()
-        out[name] = (Block.runs, counts.n.get("_c10d_functional.all_reduce.default", 0))
-        grads[name] = x.grad
-    out["bitwise"] = {k: torch.equal(g, grads["plain"]) for k, g in grads.items()}
+    out = _runs_and_backward_collectives(rank, blk, "c10d.allreduce_.default")
+    out["functional"] = _runs_and_backward_collectives(
+        rank, functional, "_c10d_functional.all_reduce.default", dots=False)
     return out
 
 
