@@ -7,10 +7,11 @@ forward and hands them to the replay.
 
 Rules
 
-1. A *collective* is an op of the ``c10d``, ``_c10d_functional``, ``_c10d_functional_autograd``
-   or ``c10d_functional`` namespaces but ``_c10d_functional._wrap_tensor_autograd`` (a local
-   op: it wraps a tensor into an ``AsyncCollectiveTensor``, and the replay runs it on the
-   replayed tensor), or an op passed to ``ckptfx.register_collective``. FSDP2's own ops (those run
+1. A *collective* is an op of the ``c10d``, ``_c10d_functional`` or ``c10d_functional``
+   namespaces but ``_c10d_functional._wrap_tensor_autograd`` (a local op: it wraps a tensor
+   into an ``AsyncCollectiveTensor``, and the replay runs it on the replayed tensor), or an
+   op passed to ``ckptfx.register_collective``. (``_c10d_functional_autograd``'s ops reach
+   the modes as the ``_c10d_functional`` ops they call.) FSDP2's own ops (those run
    inside FSDP's ``record_function("FSDP::...")`` scopes: its all-gathers, copies and views
    of unsharded parameters) are not the block's: they are run, never recorded or kept, and
    the unsharded parameters they fill are read by the block like any parameter.
@@ -47,8 +48,7 @@ from .frame import NULL_CONTEXT as NULL, CheckpointError
 __all__ = ["Recorder", "Replayer", "Watch", "is_collective", "register_collective",
            "replay_context", "watch_needed"]
 
-_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd",
-                         "c10d_functional"})
+_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 _LOCAL = frozenset({"_wrap_tensor_autograd"})  # op names in those namespaces: no collective
 _registered: set[Any] = set()
 _KIND: dict[Any, bool] = {}

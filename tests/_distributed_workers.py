@@ -152,9 +152,20 @@ def _collectives(rank: int) -> dict:
         y = fc.all_reduce(torch.sin(x) * 3, "sum", dist.group.WORLD)
         return torch.cos(y) * x
 
+    def functional_autograd(x: torch.Tensor) -> torch.Tensor:
+        # the autograd collectives: each one's gradient is the other, so the plain backward
+        # runs one all_gather (reduce_scatter's gradient)
+        Block.runs += 1
+        y = fc.all_gather_tensor_autograd(torch.sin(x), 0, dist.group.WORLD)
+        z = fc.reduce_scatter_tensor_autograd(y * 3, "sum", 0, dist.group.WORLD)
+        return torch.cos(z) * x
+
     out = _runs_and_backward_collectives(rank, blk, "c10d.allreduce_.default")
     out["functional"] = _runs_and_backward_collectives(
         rank, functional, "_c10d_functional.all_reduce.default", dots=False)
+    out["functional_autograd"] = _runs_and_backward_collectives(
+        rank, functional_autograd, "_c10d_functional.all_gather_into_tensor.default",
+        dots=False)
     return out
 
 

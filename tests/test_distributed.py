@@ -172,6 +172,19 @@ def test_functional_all_reduce_inside_a_block_is_not_replayed(two_ranks: dict) -
         assert all(c["bitwise"].values()), c["bitwise"]
 
 
+def test_autograd_functional_collectives_inside_a_block_are_not_replayed(two_ranks: dict
+                                                                          ) -> None:
+    # all_gather_tensor_autograd then reduce_scatter_tensor_autograd: the one all_gather in
+    # each backward is reduce_scatter's gradient, as in the plain backward.
+    for r in two_ranks.values():
+        c = r["collectives"]["functional_autograd"]
+        assert c["plain"] == (1, 1)
+        assert c["torch"] == (2, 2)  # torch replays the forward's all_gather too
+        assert c["checkpoint"] == (2, 1)
+        assert c["remat"][1] == 1
+        assert all(c["bitwise"].values()), c["bitwise"]
+
+
 def test_ddp_vjp_split_all_reduces_like_ddp_backward(two_ranks: dict) -> None:
     for r in two_ranks.values():
         d = r["ddp"]
