@@ -32,7 +32,7 @@ import contextvars
 import dataclasses
 import threading
 import weakref
-from typing import Any, ContextManager, Hashable
+from typing import Any, Hashable
 
 from ._distributed import before_prefire
 from .frame import CheckpointError, Frame, tls
@@ -157,7 +157,7 @@ class SessionStats:
 # -- collector ------------------------------------------------------------------------------
 
 
-def recompute_handle_collector_ctx() -> ContextManager[list[RecomputeHandle]]:
+def recompute_handle_collector_ctx() -> _Collector:
     """Collect a ``RecomputeHandle`` for each checkpointed call made in this scope.
 
     Every frame created by ``ckptfx.checkpoint`` or ``ckptfx.remat`` inside the ``with`` block
@@ -189,7 +189,7 @@ class _Collector(contextlib.ContextDecorator):
 
     __slots__ = ("handles", "token")
 
-    def _recreate_cm(self) -> "_Collector":
+    def _recreate_cm(self) -> _Collector:
         return _Collector()
 
     def __enter__(self) -> list[RecomputeHandle]:
@@ -297,7 +297,7 @@ def _bind(frame: Frame, act: Activation) -> None:
 
 
 def recompute_session_ctx(session_id: Hashable,
-                          retain_on_unpack: bool = False) -> ContextManager[None]:
+                          retain_on_unpack: bool = False) -> _SessionContext:
     """Run backward calls of one session: every frame they read is replayed once for it.
 
     Inside the block, backward calls that unpack tensors of the session's frames use the
@@ -347,7 +347,7 @@ class _SessionContext(contextlib.ContextDecorator):
         self.retain = retain_on_unpack
         self.entered = False
 
-    def _recreate_cm(self) -> "_SessionContext":
+    def _recreate_cm(self) -> _SessionContext:
         return _SessionContext(self.session_id, self.retain)
 
     def __enter__(self) -> None:

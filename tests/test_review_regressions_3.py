@@ -8,6 +8,7 @@ decorators and stay single use (a second entry is an error that leaves nothing b
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from ckptfx import _collectives, _compat, session
 from ckptfx.frame import tls
 
 
-def _counted_block(counter: list[int]):
+def _counted_block(counter: list[int]
+                   ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
     w = torch.randn(6, 6, generator=torch.Generator().manual_seed(0), requires_grad=True)
 
     def block(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +76,8 @@ def test_collector_works_as_a_decorator() -> None:
     lambda: ckptfx.recompute_session_ctx("once"),
     lambda: ckptfx.recompute_handle_collector_ctx(),
 ], ids=["recompute_session_ctx", "recompute_handle_collector_ctx"])
-def test_context_entered_twice_is_an_error_that_leaves_nothing(make) -> None:
+def test_context_entered_twice_is_an_error_that_leaves_nothing(make: Callable[[], Any]
+                                                                ) -> None:
     ctx = make()
     with ctx:
         pass
@@ -115,7 +118,8 @@ def test_session_context_shared_by_two_threads_refuses_the_second() -> None:
     assert "shared" not in ckptfx.recompute_session_stats()
 
 
-def test_distributed_check_follows_a_replaced_c10d_world(monkeypatch) -> None:
+def test_distributed_check_follows_a_replaced_c10d_world(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
     # torch may replace c10d's state object at run time (its threaded test harness does):
     # the check reads the one in place now, as torch.distributed.is_initialized does.
     c10d = torch.distributed.distributed_c10d
