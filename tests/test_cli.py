@@ -253,4 +253,18 @@ def test_bench_overhead_runs_from_the_package(tmp_path: Path,
     cli.main(["bench", "--overhead", "--quick", "--only", "remat", "--rounds", "1"])
     out = capsys.readouterr().out
     assert "nothing_saveable / torch checkpoint:" in out and "dots_saveable / torch SAC:" in out
+    assert "verdict on issue 17's targets" in out
+    assert "remat nothing_saveable forward / torch checkpoint, d=64" in out
     assert torch.get_num_threads() == threads  # the one-thread setting is put back
+
+
+def test_bench_overhead_verdict_names_each_target_and_its_floor() -> None:
+    from ckptfx.bench.overhead import verdict
+
+    lines = verdict({"split_sessions_vs_none": 1.29, "split_hook_floor_vs_none": 1.15,
+                     "vjp256_vs_fused": 1.10, "vjp256_torch_plain_split_vs_fused": 1.12,
+                     "remat64_dots_vs_sac": 1.0})
+    assert [line.split()[0] for line in lines] == ["met", "met", "NOT"]
+    assert lines[1].startswith("met      1.290x <= 1.3") and "(floor 1.150x)" in lines[1]
+    assert "d=256 (floor 1.120x: the target is below it)" in lines[2]
+    assert verdict({}) == []  # a part not run: no line

@@ -38,6 +38,10 @@ vjp256  dx + dw of ``vjp_split`` vs one fused backward over 6 checkpointed trans
         after dx, out of cache). Also: dx dropping the tensors only it reads when it ends
         instead of at their read (what the drop at the read saves).
 
+At the end a verdict: one line per target of issue 17 whose part ran, met or not, with the
+floor measured for it in the same run (``verdict``; a floor above a target says no
+implementation of that step on saved-tensor hooks can meet it).
+
 ``main()`` returns every figure as a flat dict (for ``ckptfx bench``).
 """
 
@@ -458,6 +462,49 @@ def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
 
 PARTS = ("remat", "split", "vjp256")
 
+# Issue 17's targets: (figure, at most, what it is, the figure of its floor or None).
+TARGETS: tuple[tuple[str, float, str, str | None], ...] = (
+    ("remat64_nothing_vs_torch", 1.1, "remat nothing_saveable forward / torch checkpoint, d=64",
+     None),
+    ("remat256_nothing_vs_torch", 1.1, "remat nothing_saveable forward / torch checkpoint, d=256",
+     None),
+    ("remat64_dots_vs_sac", 1.0, "remat dots_saveable forward / torch SAC, d=64", None),
+    ("remat256_dots_vs_sac", 1.0, "remat dots_saveable forward / torch SAC, d=256", None),
+    ("split_sessions_vs_none", 1.3, "split step with sessions / no checkpointing, d=64",
+     "split_hook_floor_vs_none"),
+    ("split_vjp_vs_fused", 1.5, "vjp_split step / a fused step without checkpointing, d=64",
+     "split_vjp_floor_vs_fused"),
+    ("split_vjp_vs_ckptfx_fused", 1.5,
+     "vjp_split step / ckptfx's checkpointed fused step, d=64 (the same blocks, not split)",
+     None),
+    ("vjp256_vs_fused", 1.05, "dx + dw / one fused backward, d=256",
+     "vjp256_torch_plain_split_vs_fused"),
+)
+
+
+def verdict(figures: dict[str, float]) -> list[str]:
+    """One line per target whose figure is in ``figures``: met or not, and whether its floor
+    (what any implementation of that step pays, measured in the same run) is above it.
+
+    Example::
+
+        >>> figures = {"split_vjp_vs_fused": 2.8, "split_vjp_floor_vs_fused": 1.9}
+        >>> print(verdict(figures)[0])  # doctest: +ELLIPSIS
+        NOT met  2.800x <= 1.5  vjp_split step / ... (floor 1.900x: the target is below it)
+    """
+    lines = []
+    for key, limit, what, floor_key in TARGETS:
+        if key not in figures:
+            continue
+        value = figures[key]
+        line = f"{'met' if value <= limit else 'NOT met':8s} {value:.3f}x <= {limit:<4} {what}"
+        if floor_key is not None and floor_key in figures:
+            floor = figures[floor_key]
+            line += f" (floor {floor:.3f}x" + (": the target is below it)" if floor > limit
+                                                 else ")")
+        lines.append(line)
+    return lines
+
 
 def run(only: str | None = None, quick: bool = False, rounds: int | None = None
         ) -> dict[str, float]:
@@ -484,6 +531,9 @@ def run(only: str | None = None, quick: bool = False, rounds: int | None = None
             figures.update(bench_split(rounds or (5 if q else 41), 2 if q else 10))
         if only in (None, "vjp256"):
             figures.update(bench_vjp256(rounds or (3 if q else 15)))
+        print("verdict on issue 17's targets (this run):")
+        for line in verdict(figures):
+            print("  " + line)
         return figures
     finally:
         torch.set_num_threads(threads)
