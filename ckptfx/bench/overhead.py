@@ -39,8 +39,8 @@ vjp256  dx + dw of ``vjp_split`` vs one fused backward over 6 checkpointed trans
         instead of at their read (what the drop at the read saves).
 
 At the end a verdict: one line per target of issue 17 whose part ran, met or not, with the
-floor measured for it in the same run (``verdict``; a floor above a target says no
-implementation of that step on saved-tensor hooks can meet it).
+floor measured for it in the same run (``verdict``; a floor above its target says the
+target is below what that step costs before any of ckptfx's own work).
 
 ``main()`` returns every figure as a flat dict (for ``ckptfx bench``).
 """
