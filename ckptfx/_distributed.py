@@ -56,9 +56,6 @@ from .frame import CheckpointError
 __all__ = ["DataParallel", "before_prefire", "observing", "unshard_fsdp_modules"]
 
 
-_distributed_active = _compat.distributed_initialized
-
-
 def _classes() -> tuple[type, type]:
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
@@ -216,7 +213,7 @@ class DataParallel:
 @contextlib.contextmanager
 def observing() -> Iterator[DataParallel | None]:
     """Note the FSDP2 and DDP modules called on this thread inside the block (Rule 1)."""
-    if not _distributed_active():
+    if not _compat.distributed_initialized():
         yield None
         return
     seen = DataParallel()
@@ -235,7 +232,7 @@ def observing() -> Iterator[DataParallel | None]:
 
 def unshard_fsdp_modules(module: Any) -> None:
     """Unshard every FSDP2 parameter group in ``module``'s tree (a pipeline stage's prefire)."""
-    if not _distributed_active():
+    if not _compat.distributed_initialized():
         return
     fsdp_cls, _ = _classes()
     seen = DataParallel()
@@ -247,7 +244,7 @@ def unshard_fsdp_modules(module: Any) -> None:
 
 def before_prefire(frame: Any) -> None:
     """Rule 5: unshard the FSDP2 trees of a module-method frame before its prefire."""
-    if not _distributed_active():
+    if not _compat.distributed_initialized():
         return
     module = getattr(frame.fn, "__self__", None)
     if isinstance(module, torch.nn.Module):
