@@ -181,18 +181,9 @@ class Log:
                         leaf = _Own(k)  # the replay hands back its own buffer, refilled
                         break
                 else:
-                    if type(leaf) is not torch.Tensor and not isinstance(
-                            leaf, torch.nn.Parameter):
-                        raise CheckpointError(
-                            f"ckptfx: the collective {func} returned a tensor subclass "
-                            f"({type(leaf).__name__}), whose output ckptfx cannot keep for the "
-                            "replay. Move the collective out of the checkpointed block, or "
-                            "checkpoint the code around it"
-                        )
-                    leaf = _compat.detach_unrecorded(leaf)
+                    leaf = _kept(leaf, func)
             kept.append(leaf)
-        entry = _Entry(func, (spec, kept), [_compat.detach_unrecorded(w) for w in written],
-                       positions)
+        entry = _Entry(func, (spec, kept), [_kept(w, func) for w in written], positions)
         self.entries.append(entry)
         self.pending.append(entry)
 
@@ -201,6 +192,20 @@ class Log:
         for entry in self.pending:
             entry.versions = [t._version for t in _tensors(entry)]
         self.pending = []
+
+
+def _kept(t: torch.Tensor, func: Any) -> torch.Tensor:
+    """What the log keeps of a tensor a collective returned or wrote: an unrecorded detach.
+    That detach bypasses Python dispatch, so a tensor subclass with a ``__torch_dispatch__``
+    of its own (a wrapper: ``AsyncCollectiveTensor``, DTensor) would come out without its
+    data; such a tensor is refused in the forward instead."""
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise CheckpointError(
+            f"ckptfx: the collective {func} returned a tensor subclass ({type(t).__name__}), "
+            "or wrote into one, which ckptfx cannot keep for the replay. Move the collective "
+            "out of the checkpointed block, or checkpoint the code around it"
+        )
+    return _compat.detach_unrecorded(t)
 
 
 def _tensors(entry: _Entry) -> list[torch.Tensor]:
