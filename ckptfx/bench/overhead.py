@@ -138,6 +138,12 @@ def _fmt(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.3f}x (per-round IQR {r[1]:.3f}-{r[2]:.3f})"
 
 
+def _target(key: str) -> str:
+    """The printed target of figure ``key``, from ``TARGETS`` (issue 17's, below)."""
+    limit = next(t[1] for t in TARGETS if t[0] == key)
+    return f"   (target <= {limit})"
+
+
 def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
     b, t = (2, 32) if d <= 64 else (8, 128)
     torch.manual_seed(0)
@@ -170,9 +176,9 @@ def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
     r_recorded = ratio(times, "remat nothing recorded", "torch")
     print(f"remat forward, transformer block d={d} batch={b} seq={t} ({rounds}x{inner} calls): "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in med.items()))
-    print(f"  nothing_saveable / torch checkpoint: {_fmt(r_nothing)}   (target <= 1.1)")
+    print(f"  nothing_saveable / torch checkpoint: {_fmt(r_nothing)}" + _target(f"remat{d}_nothing_vs_torch"))
     print(f"  nothing_saveable, always_record=True / torch checkpoint: {_fmt(r_recorded)}")
-    print(f"  dots_saveable / torch SAC:           {_fmt(r_dots)}   (target <= 1.0)")
+    print(f"  dots_saveable / torch SAC:           {_fmt(r_dots)}" + _target(f"remat{d}_dots_vs_sac"))
     print(f"  floor: torch checkpoint under an empty dispatch mode / torch checkpoint: "
           f"{_fmt(r_floor)}")
     steps = rounds_of({k: _fwd_bwd(fns[k]) for k in
@@ -372,10 +378,10 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
           f"({rounds}x{inner} steps): " + ", ".join(f"{k} {v * 1e3:.3f} ms"
                                                    for k, v in med.items()))
     print(f"  ckptfx sessions (prefire + dx + {len(params)} dw calls) / none: {_fmt(r_sess)}"
-          "   (target <= 1.3)")
+          + _target("split_sessions_vs_none"))
     print(f"  floor: saved-tensor hooks + one more forward to each block's last pack / none: "
           f"{_fmt(r_hooks)}; ckptfx sessions / that floor: {_fmt(r_sess_floor)}")
-    print(f"  vjp_split step / fused step:          {_fmt(r_vjp)}   (target <= 1.5)")
+    print(f"  vjp_split step / fused step:          {_fmt(r_vjp)}" + _target("split_vjp_vs_fused"))
     print(f"  floor: torch's split without checkpointing / fused: {_fmt(r_floor)}")
     print(f"  floor: saved-tensor hooks + one more forward to each block's last pack + "
           f"vjp_split's two engine calls (dx, then dw from the outputs) / fused: "
@@ -452,7 +458,7 @@ def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
     r_floor = ratio(times, "plain split", "plain fused")
     print(f"dx + dw, {nblocks} checkpointed transformer blocks d={d} batch={batch} seq={seq} "
           f"({rounds} steps): fused {statistics.median(times['fused']) * 1e3:.1f} ms")
-    print(f"  vjp_split / fused: {_fmt(r)}   (target <= 1.05)")
+    print(f"  vjp_split / fused: {_fmt(r)}" + _target("vjp256_vs_fused"))
     print(f"  floor: torch's split / fused backward, both without checkpointing: {_fmt(r_floor)}")
     print(f"  vjp_split with dx-only tensors dropped when dx ends, not at their read / fused: "
           f"{_fmt(r_late)}")
