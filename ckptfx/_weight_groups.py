@@ -189,6 +189,7 @@ def trim_session(session: Any, log: list, keep_nodes: set[Node]) -> None:
     for holder in drop:
         if holder in keep:
             continue
-        replay = holder.frame.replays.get(session)
+        frame = holder.frame
+        replay = frame.session_replay if frame.session is session else None
         if replay is not None:
             replay[holder.index] = None

@@ -17,7 +17,10 @@ Rules (the invariants the code below keeps; read these before changing it)
 3. A replay is made at most once per key: the first unpack under a key replays the block and
    fills a list with every tensor whose holder is still alive. Under a GraphTask key each
    tensor is handed out once and dropped (a second unpack is an error, as in torch). Under a
-   session key the activation decides: ``retain`` keeps it for later consumers.
+   session key the activation decides: ``retain`` keeps it for later consumers. A frame
+   serves one session at a time (``frame.session``), so the session's replay has a slot of
+   its own (``session_replay``), and the hot path reads it without a key lookup; the
+   GraphTask and GraphExecGroup replays are kept by key (``replays``).
 
 4. The unpack hook is the hot path. It reads attributes and one or two of torch's thread
    state getters; it takes no lock and reads no ContextVar or registry. Everything else
@@ -166,7 +169,7 @@ class Frame:
 
     __slots__ = (
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
-        "recompute_ctx", "debug", "replays", "active", "session",
+        "recompute_ctx", "debug", "replays", "session_replay", "active", "session",
         "forward_done", "ignore_count", "shared", "op_seq", "prev_op_seq", "last_op_first",
         "watch_last_op", "frames_made", "refill", "__weakref__",
     )
@@ -204,9 +207,10 @@ class Frame:
         self.early_stop = early_stop
         self.recompute_ctx = recompute_ctx
         self.debug = debug
-        self.replays: dict[Hashable, Replay | None] = {}
+        self.replays: dict[Hashable, Replay | None] = {}  # by GraphTask / GraphExecGroup
         self.active: Any = None  # bound by session.py; read by unpack_hook
         self.session: Any = None  # the one session registered on this frame, if any
+        self.session_replay: Replay | None = None  # that session's replay (Rule 3)
         self.forward_done = False
         # Rule 6: the autograd sequence number the packs of the last saving op saw, the one
         # of the saving op before it (or the block's start), and the position of the last
@@ -277,7 +281,10 @@ class Frame:
         finally:
             tls.scheduled_replay = outer
         if store:
-            self.replays[key] = tensors
+            if key is not None and key is self.session:
+                self.session_replay = tensors
+            else:
+                self.replays[key] = tensors
         return tensors
 
     def current_replay(self) -> tuple[Replay | None, Any]:
@@ -287,8 +294,8 @@ class Frame:
         act = self.active
         if act is None and tls.activation is not None:
             act = tls.activation.adopt(self)
-        if act is not None:
-            replay = self.replays.get(act.session)
+        if act is not None:  # bound to a frame registered to act.session (session.py)
+            replay = self.session_replay
             if replay is None:
                 replay = self.replay(act.session, scheduled=True)
             return replay, act
@@ -351,7 +358,7 @@ def unpack_hook(holder: Holder) -> torch.Tensor:
     frame = holder.frame
     act = frame.active
     if act is not None:
-        replay = frame.replays.get(act.session)
+        replay = frame.session_replay
         if replay is not None:
             t = replay[holder.index]
             if t is not None:

@@ -431,7 +431,7 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
     registered = _register_handle(handle, session_id)
     if registered is not None:
         frame, session = registered
-        if frame.replays.get(session) is None:
+        if frame.session_replay is None:  # the frame is registered to session now
             before_prefire(frame)  # FSDP2: the replay reads unsharded parameters
             frame.replay(session, scheduled=True)
 
@@ -504,9 +504,9 @@ def clear_recompute_session(session_id: Hashable) -> None:
             return
         session.cleared = True
         for frame in _frames_of(session):
-            frame.replays.pop(session, None)
             if frame.session is session:
                 frame.session = None
+                frame.session_replay = None
             if frame.active is not None and frame.active.session is session:
                 frame.active = None
         session.frames.clear()
@@ -529,7 +529,7 @@ def recompute_session_stats() -> dict[Hashable, SessionStats]:
             storages: dict[int, int] = {}
             tensors = replayed = 0
             for frame in frames:
-                replay = frame.replays.get(session)
+                replay = frame.session_replay if frame.session is session else None
                 if replay is None:
                     continue
                 replayed += 1

@@ -345,7 +345,7 @@ def test_dx_drops_replayed_tensors_only_dx_needed(per_group: None) -> None:
 
     def held() -> list[torch.Tensor]:
         (frame,) = [f for f in ckptfx.session._registry[sid].frames]
-        return [t for t in frame.replays[frame.session] if t is not None]
+        return [t for t in frame.session_replay if t is not None]
 
     def holds(value: torch.Tensor) -> bool:
         # Linear saves its 3-d input flattened to 2-d: compare values, not shapes.
@@ -375,7 +375,7 @@ def test_nothing_alive_after_dw(weight_pass: str) -> None:
     dx_fn.prefire()
     split = dx_fn._split
     frames = [h.frame for h in split.handles]
-    replayed = [weakref.ref(t) for f in frames for t in f.replays[f.session] if t is not None]
+    replayed = [weakref.ref(t) for f in frames for t in f.session_replay if t is not None]
     frame_refs = [weakref.ref(f) for f in frames]
     del frames
     dx = dx_fn(g)
@@ -459,7 +459,7 @@ def test_dw_that_raises_still_releases_everything() -> None:
     dx_fn(g)
     split = dx_fn._split
     (frame,) = [h.frame for h in split.handles]
-    replayed = [weakref.ref(t) for t in frame.replays[frame.session] if t is not None]
+    replayed = [weakref.ref(t) for t in frame.session_replay if t is not None]
     frame_ref = weakref.ref(frame)
     del frame
     with torch.no_grad():
