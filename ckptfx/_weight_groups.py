@@ -193,3 +193,4 @@ def trim_session(session: Any, log: list, keep_nodes: set[Node]) -> None:
         replay = frame.session_replay if frame.session is session else None
         if replay is not None:
             replay[holder.index] = None
+            frame.reads.pop(holder, None)  # frame.py Rule 4b: a bound consumer's copy too

@@ -249,7 +249,9 @@ def run_checkpointed(
     first = first_node() if refill is not None else None
     suppressed = True
     collectives = _collectives.forward_context(frame)
-    _compat.push_saved_tensors_hooks(frame.pack, unpack_hook)
+    # frame.py Rule 4b: a frame handed to a scheduler reads its session replays in C
+    _compat.push_saved_tensors_hooks(
+        frame.pack, unpack_hook if handles is None else frame.reads.__getitem__)
     try:
         if forward_ctx is None and collectives is NULL_CONTEXT:
             out = function(*args, **kwargs)  # nothing to enter: the common case, kept lean

@@ -26,6 +26,17 @@ Rules (the invariants the code below keeps; read these before changing it)
    state getters; it takes no lock and reads no ContextVar or registry. Everything else
    (discovering a session, replaying, errors) is on the slow path, once per frame and key.
 
+4b. Most reads of a split step are of a session replay that every consumer keeps (dx and
+   every dw group but the last). For those no Python needs to run: while a frame is bound
+   to a retaining activation that logs nothing, its ``reads`` dict maps each live holder to
+   its replayed tensor, and a forward that hands its frame to a scheduler (a handle
+   collector is open) pushes ``reads.__getitem__`` as the unpack hook: a hit is a lookup in
+   C; a miss (no replay yet, another activation, a native backward) falls through
+   ``__missing__`` to ``unpack_hook``, so both hooks hand out the same tensors. session.py
+   fills the dict and empties it, under its lock, whenever the binding or the replay
+   changes (``fill_reads``); a handle-less forward keeps the plain hook, whose native path
+   has no dict miss to pay.
+
 5. A replay runs as the forward ran (``ReplayEnv``: RNG, autocast, device context), starts as
    if no checkpoint were active (a nested checkpoint met during replay makes a new frame,
    as in torch), and is checked against the forward: the same number of saved tensors, and
@@ -94,7 +105,7 @@ from . import _compat
 from ._env import ReplayEnv
 from ._last_op import last_op_writes_nothing
 
-__all__ = ["CheckpointError", "Frame", "Holder", "unpack_hook", "tls"]
+__all__ = ["CheckpointError", "Frame", "Holder", "Reads", "unpack_hook", "tls"]
 
 _next_sequence_nr = _compat.next_sequence_nr
 # One reusable do-nothing context: what a replay or forward enters when nothing is to enter.
@@ -164,12 +175,21 @@ _rng_lock = threading.RLock()  # Rule 8
 Replay = list  # position -> replayed tensor, None once handed out (or if its holder died)
 
 
+class Reads(dict):
+    """holder -> replayed tensor: the C fast path of Rule 4b. A miss is ``unpack_hook``'s."""
+
+    __slots__ = ()
+
+    def __missing__(self, holder: "Holder") -> torch.Tensor:
+        return unpack_hook(holder)
+
+
 class Frame:
     """One forward call of a checkpointed block (see the Rules above)."""
 
     __slots__ = (
         "fn", "inputs", "kwargs", "env", "rerun", "holders", "metas", "early_stop",
-        "recompute_ctx", "debug", "replays", "session_replay", "active", "session",
+        "recompute_ctx", "debug", "replays", "session_replay", "reads", "active", "session",
         "forward_done", "ignore_count", "shared", "op_seq", "prev_op_seq", "last_op_first",
         "watch_last_op", "frames_made", "refill", "__weakref__",
     )
@@ -211,6 +231,7 @@ class Frame:
         self.active: Any = None  # bound by session.py; read by unpack_hook
         self.session: Any = None  # the one session registered on this frame, if any
         self.session_replay: Replay | None = None  # that session's replay (Rule 3)
+        self.reads = Reads()  # Rule 4b: filled while bound to a retaining, unlogged session
         self.forward_done = False
         # Rule 6: the autograd sequence number the packs of the last saving op saw, the one
         # of the saving op before it (or the block's start), and the position of the last
@@ -257,6 +278,20 @@ class Frame:
     def saved_inputs(self) -> list[Any]:
         return [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.inputs]
 
+    def fill_reads(self) -> None:
+        """Rule 4b: ``reads`` becomes the session replay's live holders and tensors (called
+        by session.py, under its lock, while a retaining, unlogged activation is bound)."""
+        reads = self.reads
+        reads.clear()
+        replay = self.session_replay
+        if replay is None:
+            return
+        for ref, t in zip(self.holders, replay):
+            if t is not None:
+                holder = ref()
+                if holder is not None:
+                    reads[holder] = t
+
     # -- backward --------------------------------------------------------------------------
 
     def replay(self, key: Hashable, *, store: bool = True, scheduled: bool = False) -> Replay:
@@ -298,6 +333,7 @@ class Frame:
             replay = self.session_replay
             if replay is None:
                 replay = self.replay(act.session, scheduled=True)
+                act.replayed(self)  # Rule 4b
             return replay, act
         key = _compat.get_graph_exec_group()
         if key is None:

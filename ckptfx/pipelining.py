@@ -171,7 +171,7 @@ class PipelineStage(_tpp.PipelineStage):
                 recompute_handle(h, sid)
             with recompute_session_ctx(sid, retain_on_unpack=True):
                 act = tls.activation
-                act.log = log
+                act.record(log)
                 try:
                     super().backward_one_chunk(
                         bwd_chunk_id, loss=loss, full_backward=False, last_backward=last_backward

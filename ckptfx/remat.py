@@ -346,6 +346,8 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         plan.start(frame)
     handles = collect(frame)
     first = first_node() if refill is not None else None
+    if unpack is unpack_hook and handles is not None:  # frame.py Rule 4b
+        unpack = frame.reads.__getitem__
     _compat.push_saved_tensors_hooks(pack, unpack)
     try:
         with mode:

@@ -16,6 +16,9 @@ Rules
    the session (``frame.active``) and unbinds on exit. The unpack hook reads only that
    attribute, so the backward finds the session on any thread, including autograd's device
    threads that never saw the caller's context. Frames discovered lazily are bound when found.
+   Whenever a frame's binding or its session replay changes, ``_sync_reads`` brings the
+   frame's ``reads`` dict (frame.py Rule 4b) in line: the replay's tensors while the bound
+   activation retains and logs nothing, empty otherwise.
 
 4. Register, bind, unbind and clear happen under one ``RLock``; the unpack hook never takes it.
 
@@ -90,6 +93,20 @@ class Activation:
         # that a torch node outside them reads is dropped at that read, not when dx ends,
         # so dx frees it as a fused backward would (split Rule 4).
         self.drop_unless: set | None = None
+
+    def record(self, log: list, drop_unless: set | None = None) -> None:
+        """Log the reads of this (retaining) activation from now on: the split's dx pass.
+        The frames it binds leave the dict fast path (frame.py Rule 4b), which logs nothing."""
+        with _lock:
+            self.log, self.drop_unless = log, drop_unless
+            for frame in _frames_of(self.session):
+                if frame.active is self:
+                    frame.reads.clear()
+
+    def replayed(self, frame: Frame) -> None:
+        """The frame bound to this activation was just replayed for its session."""
+        with _lock:
+            _sync_reads(frame)
 
     def adopt(self, frame: Frame) -> "Activation | None":
         """Lazy discovery (Rule 2): register and bind a frame first unpacked in this context."""
@@ -294,6 +311,17 @@ def _bind(frame: Frame, act: Activation) -> None:
             "one session at a time: finish (and clear) the first before opening the second."
         )
     frame.active = act
+    _sync_reads(frame)
+
+
+def _sync_reads(frame: Frame) -> None:
+    """Rule 3: the frame's ``reads`` (frame.py Rule 4b) after its binding or replay changed.
+    Called under ``_lock``."""
+    act = frame.active
+    if act is not None and act.retain and act.log is None and frame.session_replay is not None:
+        frame.fill_reads()
+    elif frame.reads:
+        frame.reads.clear()
 
 
 def recompute_session_ctx(session_id: Hashable,
@@ -408,6 +436,7 @@ def _unbind(session: Session, act: Activation) -> None:
     for frame in _frames_of(session):
         if frame.active is act:
             frame.active = None
+            _sync_reads(frame)
 
 
 def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
@@ -509,6 +538,7 @@ def clear_recompute_session(session_id: Hashable) -> None:
                 frame.session_replay = None
             if frame.active is not None and frame.active.session is session:
                 frame.active = None
+            _sync_reads(frame)
         session.frames.clear()
 
 

@@ -334,9 +334,9 @@ class _Split:
                     log: list = []
                     with recompute_session_ctx(self.key, retain_on_unpack=True):
                         act = tls.activation
-                        act.log = None if whole else log
-                        if _trim_enabled and _early_drop_enabled and not whole:
-                            act.drop_unless = keep
+                        if not whole:
+                            act.record(log, keep if _trim_enabled and _early_drop_enabled
+                                       else None)
                         try:
                             grads = torch.autograd.grad(
                                 outputs, x_req, self.cotangents, retain_graph=True,

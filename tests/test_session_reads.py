@@ -1,0 +1,227 @@
+"""frame.py Rule 4b: a retaining session's reads are a dict lookup in C, with no Python.
+
+A forward under a handle collector pushes ``frame.reads.__getitem__`` as its unpack hook;
+session.py fills ``reads`` while a retaining, unlogged activation is bound, and empties it
+otherwise, so a miss falls through to ``unpack_hook``. Calls of ckptfx's Python functions
+during backward calls are counted with a profile hook, gradients are compared bitwise with the
+plain computation (fp32 and CPU bf16 autocast, dropout), block runs with a counter inside
+the block.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import weakref
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ckptfx
+from conftest import assert_bitwise
+
+pytestmark = pytest.mark.usefixtures("no_sessions_left")
+
+D, H, B = 8, 16, 4
+
+
+class Block(nn.Module):
+    """A residual MLP with dropout; ``runs`` counts its runs (forward + replays)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, H), nn.Linear(H, D)
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return x + self.fc2(F.dropout(F.gelu(self.fc1(x)), 0.25, True))
+
+
+class PythonCalls:
+    """Counts calls of ckptfx's Python functions on this thread while active (``with``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "/ckptfx/" in frame.f_code.co_filename:
+            self.calls += 1
+
+    def __enter__(self) -> "PythonCalls":
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(None)
+
+
+def setup(n: int = 2, dtype: torch.dtype | None = None) -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(n)]
+    params = [p for b in blocks for p in b.parameters()]
+    x = torch.randn(B, D, requires_grad=True)
+    gout = torch.randn(B, D)
+
+    def stack(checkpointed: bool) -> torch.Tensor:
+        torch.manual_seed(7)
+        h = x
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            for b in blocks:
+                h = ckptfx.checkpoint(b, h) if checkpointed else b(h)
+        return h
+
+    want = list(torch.autograd.grad(stack(False), [x, *params], gout))
+    for b in blocks:
+        b.runs = 0
+    return blocks, params, x, gout, stack, want
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_retained_reads_run_no_python(dtype: torch.dtype | None) -> None:
+    blocks, params, x, gout, stack, want = setup(dtype=dtype)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = stack(True)
+    try:
+        for h in handles:
+            ckptfx.recompute_handle(h, "mb")
+        with ckptfx.recompute_session_ctx("mb", retain_on_unpack=True), PythonCalls() as kept:
+            got = [torch.autograd.grad(out, x, gout, retain_graph=True)[0]]
+            got += [torch.autograd.grad(out, p, gout, retain_graph=True)[0]
+                    for p in params[:-1]]
+        assert kept.calls == 0  # dx and every dw group but the last: all reads in C
+        with ckptfx.recompute_session_ctx("mb", retain_on_unpack=False), PythonCalls() as last:
+            got.append(torch.autograd.grad(out, params[-1], gout)[0])
+        assert last.calls > 0  # the last consumer drops what it reads: in Python
+    finally:
+        ckptfx.clear_recompute_session("mb")
+    assert_bitwise(got, want)
+    assert [b.runs for b in blocks] == [2, 2]  # forward + one replay, however many reads
+
+
+def test_reads_follow_the_binding() -> None:
+    blocks, params, x, gout, stack, _ = setup(n=1)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = stack(True)
+    frame = handles[0].frame
+    live = sum(ref() is not None for ref in frame.holders)
+    try:
+        ckptfx.recompute_handle(handles[0], "mb")
+        assert len(frame.reads) == 0  # replayed, not bound
+        with ckptfx.recompute_session_ctx("mb", retain_on_unpack=True):
+            assert len(frame.reads) == live
+            torch.autograd.grad(out, x, gout, retain_graph=True)
+            assert len(frame.reads) == live  # retained: still there for dw
+            ckptfx.session.tls.activation.record([])  # a logging dx leaves the dict
+            assert len(frame.reads) == 0
+        assert len(frame.reads) == 0
+        with ckptfx.recompute_session_ctx("mb", retain_on_unpack=False):
+            assert len(frame.reads) == 0  # the last consumer reads in Python
+        with ckptfx.recompute_session_ctx("mb", retain_on_unpack=True):
+            assert len(frame.reads) == live
+            ckptfx.clear_recompute_session("mb")
+            assert len(frame.reads) == 0
+    finally:
+        ckptfx.clear_recompute_session("mb")
+
+
+def test_lazy_replay_fills_the_reads() -> None:
+    """No prefire: the first read replays (in Python), every later one is a dict hit."""
+    blocks, params, x, gout, stack, want = setup()
+    with ckptfx.recompute_handle_collector_ctx():
+        out = stack(True)
+    try:
+        with ckptfx.recompute_session_ctx("lazy", retain_on_unpack=True):
+            with PythonCalls() as first:
+                got = [torch.autograd.grad(out, x, gout, retain_graph=True)[0]]
+            assert first.calls > 0  # the first read of each block replays it
+            with PythonCalls() as later:
+                got += [torch.autograd.grad(out, p, gout, retain_graph=True)[0]
+                        for p in params]
+            assert later.calls == 0  # the replays filled the dicts
+    finally:
+        ckptfx.clear_recompute_session("lazy")
+    assert_bitwise(got, want)
+    assert [b.runs for b in blocks] == [2, 2]
+
+
+def test_native_backward_of_a_collected_frame_is_torchs() -> None:
+    """Outside sessions the dict is empty: each backward replays and hands out once."""
+    blocks, params, x, gout, stack, want = setup(n=1)
+    with ckptfx.recompute_handle_collector_ctx():
+        out = stack(True)
+    got = list(torch.autograd.grad(out, [x, *params], gout, retain_graph=True))
+    again = list(torch.autograd.grad(out, [x, *params], gout))
+    assert_bitwise(got, want)
+    assert_bitwise(again, want)
+    assert blocks[0].runs == 3  # forward + one replay per backward, as torch
+
+
+def test_frames_free_without_gc_after_the_session() -> None:
+    """The filled dict (frame -> reads -> holder -> frame) is emptied at the context's exit,
+    so the graph and its frames go by reference counting alone."""
+    blocks, params, x, gout, stack, _ = setup()
+    gc.disable()
+    try:
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            out = stack(True)
+        frames = [weakref.ref(h.frame) for h in handles]
+        for h in handles:
+            ckptfx.recompute_handle(h, "mb")
+        with ckptfx.recompute_session_ctx("mb", retain_on_unpack=True):
+            torch.autograd.grad(out, x, gout, retain_graph=True)
+        with ckptfx.recompute_session_ctx("mb", retain_on_unpack=False):
+            torch.autograd.grad(out, params, gout)
+        ckptfx.clear_recompute_session("mb")
+        del out, handles
+        assert all(f() is None for f in frames)
+    finally:
+        gc.enable()
+
+
+def test_without_a_collector_reads_stay_in_python() -> None:
+    """A forward nobody collected keeps the plain hook (no dict miss on the native path)."""
+    blocks, params, x, gout, stack, want = setup()
+    out = stack(True)
+    try:
+        with ckptfx.recompute_session_ctx("plain", retain_on_unpack=True):
+            got = [torch.autograd.grad(out, x, gout, retain_graph=True)[0]]
+            with PythonCalls() as later:
+                got += [torch.autograd.grad(out, p, gout, retain_graph=True)[0]
+                        for p in params]
+            assert later.calls > 0
+    finally:
+        ckptfx.clear_recompute_session("plain")
+    assert_bitwise(got, want)
+
+
+def test_reads_from_a_thread_that_never_saw_the_session() -> None:
+    blocks, params, x, gout, stack, want = setup()
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = stack(True)
+    got: dict[str, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def dw() -> None:
+        try:
+            got["dw"] = list(torch.autograd.grad(out, params, gout, retain_graph=True))
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    try:
+        for h in handles:
+            ckptfx.recompute_handle(h, "mb")
+        with ckptfx.recompute_session_ctx("mb", retain_on_unpack=True):
+            dx = torch.autograd.grad(out, x, gout, retain_graph=True)[0]
+            worker = threading.Thread(target=dw)  # a fresh thread: no context copied
+            worker.start()
+            worker.join(timeout=60)
+            assert not worker.is_alive() and not errors, errors
+    finally:
+        ckptfx.clear_recompute_session("mb")
+    assert_bitwise([dx, *got["dw"]], want)
+    assert [b.runs for b in blocks] == [2, 2]
