@@ -1,0 +1,139 @@
+"""Instructions per split step, counted by callgrind: a measure no clock or load can move.
+
+    python benchmarks/bench_instructions.py [--steps 5] [--variants none,floor,sessions]
+                                            [--backward]
+
+The split step of ``ckptfx bench --overhead --only split`` (6 MLP blocks d=64, prefire +
+dx + one dw call per parameter) runs in a child process under ``valgrind --tool=callgrind``
+for each variant; only the steps themselves are counted (they run inside ``map``, and
+callgrind collects inside ``map_next`` only; with ``--backward``, inside the autograd
+engine's calls only). The same program and inputs give the same count on any machine
+state, so a change of a few tenths of a percent is visible, where the step's time moves by
++-5% from run to run on a shared 2-core machine. Counts are not time: cache misses, page
+faults and the kernel's work do not show (a step's time over its instructions is about 3x
+larger for ckptfx's Python than for torch's kernels); use it to see what a change does to
+the work, and ``bench_overhead.py`` for what it does to the time.
+
+Variants: ``none`` (no checkpointing), ``floor`` (every saved tensor through a Python
+identity hook, plus one more forward of each block to its last pack: what any checkpoint on
+saved-tensor hooks pays), ``sessions`` (ckptfx checkpoint, collector, prefire, sessions).
+Needs valgrind (Debian's ``valgrind`` package); about 2-3 minutes per variant, two at once.
+``PYTHONHASHSEED=0`` in the children: the hash seed moves a count by about 0.3%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Callable
+
+VARIANTS = ("none", "floor", "sessions")
+
+
+def _step(variant: str) -> Callable[[], None]:
+    import torch
+
+    import ckptfx
+    from ckptfx.bench.overhead import (MLPBlock, _identity, _run_to_last_pack, _saves_of,
+                                       _split_backward)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    blocks = [MLPBlock(64, 256) for _ in range(6)]
+    x = torch.randn(8, 64, requires_grad=True)
+    g = torch.randn(8, 64)
+    params = [p for b in blocks for p in b.parameters()]
+    saves = _saves_of(blocks[0], x)
+
+    def plain(h: torch.Tensor) -> torch.Tensor:
+        for b in blocks:
+            h = b(h)
+        return h
+
+    def none() -> None:
+        _split_backward(plain(x), x, params, g, None)
+
+    def floor() -> None:
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            out = plain(x)
+        for b in blocks:
+            _run_to_last_pack(b, x, saves)
+        _split_backward(out, x, params, g, None)
+
+    def sessions() -> None:
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            h = x
+            for b in blocks:
+                h = ckptfx.checkpoint(b, h)
+        try:
+            for hd in handles:
+                ckptfx.recompute_handle(hd, "mb")
+            _split_backward(h, x, params, g, "mb")
+        finally:
+            ckptfx.clear_recompute_session("mb")
+
+    return {"none": none, "floor": floor, "sessions": sessions}[variant]
+
+
+def _child(variant: str, steps: int) -> None:
+    step = _step(variant)
+    for _ in range(3):  # warm up: imports, first-call caches (not counted)
+        step()
+    list(map(lambda _: step(), range(steps)))  # counted: callgrind collects in map_next
+
+
+def count(variant: str, steps: int, backward: bool = False) -> float:
+    """Instructions per step of ``variant`` (a child process under callgrind)."""
+    toggle = "THPEngine_run_backward*" if backward else "map_next"
+    cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no",
+           f"--toggle-collect={toggle}", "--callgrind-out-file=/dev/null",
+           sys.executable, os.path.abspath(__file__), "--child", variant, str(steps)]
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stderr
+    m = re.search(r"Collected : ([\d,]+)", out)
+    if m is None:
+        raise RuntimeError(f"callgrind printed no count for {variant}:\n{out[-2000:]}")
+    # with --backward the warm-up steps' engine calls are counted too
+    return int(m.group(1).replace(",", "")) / (steps + (3 if backward else 0))
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--backward", action="store_true",
+                    help="count only inside the autograd engine's calls")
+    ap.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        _child(args.child[0], int(args.child[1]))
+        return {}
+    variants = args.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variants takes {', '.join(VARIANTS)}; got {', '.join(bad)}")
+    if args.steps < 1:
+        ap.error(f"--steps must be a positive integer, got {args.steps}")
+    if shutil.which("valgrind") is None:
+        sys.exit("bench_instructions: valgrind is not installed (apt-get install valgrind)")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        counts = dict(zip(variants, pool.map(
+            lambda v: count(v, args.steps, args.backward), variants)))
+    what = "engine calls" if args.backward else "step"
+    for v, n in counts.items():
+        line = f"{v:9s} {n / 1e6:8.3f} M instructions per {what}"
+        if "none" in counts and v != "none":
+            line += f"   {n / counts['none']:.4f}x none"
+        if "floor" in counts and v not in ("none", "floor"):
+            line += f"   {n / counts['floor']:.4f}x floor"
+        print(line)
+    return counts
+
+
+if __name__ == "__main__":
+    main()
