@@ -19,8 +19,10 @@ Rules (the invariants the code below keeps; read these before changing it)
    tensor is handed out once and dropped (a second unpack is an error, as in torch). Under a
    session key the activation decides: ``retain`` keeps it for later consumers. A frame
    serves one session at a time (``frame.session``), so the session's replay has a slot of
-   its own (``session_replay``), and the hot path reads it without a key lookup; the
-   GraphTask and GraphExecGroup replays are kept by key (``replays``).
+   its own (``session_replay``), and the hot path reads it without a key lookup; session.py
+   stores it there, under its lock, only while the frame is still registered to that
+   session (a clear may come during the replay). The GraphTask and GraphExecGroup replays
+   are kept by key (``replays``).
 
 4. The unpack hook is the hot path. It reads attributes and one or two of torch's thread
    state getters; it takes no lock and reads no ContextVar or registry. Everything else
@@ -35,7 +37,8 @@ Rules (the invariants the code below keeps; read these before changing it)
    ``__missing__`` to ``unpack_hook``, so both hooks hand out the same tensors. session.py
    fills the dict and empties it, under its lock, whenever the binding or the replay
    changes (``fill_reads``); a handle-less forward keeps the plain hook, whose native path
-   has no dict miss to pay.
+   has no dict miss to pay. While filled, the dict holds the holders (and so the frame): a
+   graph freed inside such a context frees its frames when the context exits.
 
 5. A replay runs as the forward ran (``ReplayEnv``: RNG, autocast, device context), starts as
    if no checkpoint were active (a nested checkpoint met during replay makes a new frame,
@@ -315,11 +318,8 @@ class Frame:
             raise
         finally:
             tls.scheduled_replay = outer
-        if store:
-            if key is not None and key is self.session:
-                self.session_replay = tensors
-            else:
-                self.replays[key] = tensors
+        if store:  # a session's replay is kept by session.py, under its lock (Rule 3)
+            self.replays[key] = tensors
         return tensors
 
     def current_replay(self) -> tuple[Replay | None, Any]:
@@ -332,8 +332,7 @@ class Frame:
         if act is not None:  # bound to a frame registered to act.session (session.py)
             replay = self.session_replay
             if replay is None:
-                replay = self.replay(act.session, scheduled=True)
-                act.replayed(self)  # Rule 4b
+                replay = act.keep(self, self.replay(act.session, store=False, scheduled=True))
             return replay, act
         key = _compat.get_graph_exec_group()
         if key is None:

@@ -16,9 +16,11 @@ Rules
    the session (``frame.active``) and unbinds on exit. The unpack hook reads only that
    attribute, so the backward finds the session on any thread, including autograd's device
    threads that never saw the caller's context. Frames discovered lazily are bound when found.
-   Whenever a frame's binding or its session replay changes, ``_sync_reads`` brings the
-   frame's ``reads`` dict (frame.py Rule 4b) in line: the replay's tensors while the bound
-   activation retains and logs nothing, empty otherwise.
+   A replay made for a session is kept on the frame here (``_keep_replay``), under the
+   lock, and only while the frame is still registered to that session. Whenever a frame's
+   binding or its session replay changes, ``_sync_reads`` brings the frame's ``reads`` dict
+   (frame.py Rule 4b) in line: the replay's tensors while the bound activation retains and
+   logs nothing, empty otherwise.
 
 4. Register, bind, unbind and clear happen under one ``RLock``; the unpack hook never takes it.
 
@@ -103,10 +105,11 @@ class Activation:
                 if frame.active is self:
                     frame.reads.clear()
 
-    def replayed(self, frame: Frame) -> None:
-        """The frame bound to this activation was just replayed for its session."""
+    def keep(self, frame: Frame, replay: list) -> list:
+        """A frame bound to this activation was just replayed for its session: keep the
+        replay (``_keep_replay``) and return the one the session reads."""
         with _lock:
-            _sync_reads(frame)
+            return _keep_replay(frame, self.session, replay)
 
     def adopt(self, frame: Frame) -> "Activation | None":
         """Lazy discovery (Rule 2): register and bind a frame first unpacked in this context."""
@@ -314,6 +317,21 @@ def _bind(frame: Frame, act: Activation) -> None:
     _sync_reads(frame)
 
 
+def _keep_replay(frame: Frame, session: Session, replay: list) -> list:
+    """Cache ``replay`` as ``frame``'s session replay if the frame is still registered to
+    ``session`` (a clear may have come while it replayed: then nothing keeps it, and it
+    serves the read at hand only), and bring ``reads`` in line. Returns the replay the
+    session reads: the first one kept, if two threads replayed the frame at once. Called
+    under ``_lock``."""
+    if frame.session is session:
+        if frame.session_replay is None:
+            frame.session_replay = replay
+        else:
+            replay = frame.session_replay
+        _sync_reads(frame)
+    return replay
+
+
 def _sync_reads(frame: Frame) -> None:
     """Rule 3: the frame's ``reads`` (frame.py Rule 4b) after its binding or replay changed.
     Called under ``_lock``."""
@@ -462,7 +480,9 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
         frame, session = registered
         if frame.session_replay is None:  # the frame is registered to session now
             before_prefire(frame)  # FSDP2: the replay reads unsharded parameters
-            frame.replay(session, scheduled=True)
+            replay = frame.replay(session, store=False, scheduled=True)
+            with _lock:
+                _keep_replay(frame, session, replay)
 
 
 def register_handle(handle: RecomputeHandle, session_id: Hashable) -> None:

@@ -225,3 +225,55 @@ def test_reads_from_a_thread_that_never_saw_the_session() -> None:
         ckptfx.clear_recompute_session("mb")
     assert_bitwise([dx, *got["dw"]], want)
     assert [b.runs for b in blocks] == [2, 2]
+
+
+def test_a_clear_during_the_replay_keeps_nothing() -> None:
+    """A session cleared while its replay runs (another thread abandoning the micro-batch)
+    keeps nothing of that replay: the read at hand uses it, the frame caches nothing, and a
+    new session replays the block afresh."""
+    blocks, params, x, gout, stack, want = setup(n=1)
+    block = blocks[0]
+    forward = block.forward
+
+    def clearing_forward(h: torch.Tensor) -> torch.Tensor:
+        if block.runs == 1:  # the replay (the forward was run 1)
+            ckptfx.clear_recompute_session("s1")
+        return forward(h)
+
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = stack(True)
+    frame = handles[0].frame
+    block.forward = clearing_forward  # type: ignore[method-assign]
+    try:
+        with ckptfx.recompute_session_ctx("s1", retain_on_unpack=True):
+            got = list(torch.autograd.grad(out, [x, *params], gout, retain_graph=True))
+        assert_bitwise(got, want)
+        assert frame.session is None and frame.session_replay is None and not frame.reads
+        assert all(not isinstance(k, ckptfx.session.Session) for k in frame.replays)
+        runs = block.runs
+        ckptfx.recompute_handle(handles[0], "s2")
+        assert block.runs == runs + 1  # replayed for the new session, not the old replay
+        with ckptfx.recompute_session_ctx("s2", retain_on_unpack=False):
+            again = list(torch.autograd.grad(out, [x, *params], gout))
+        assert_bitwise(again, want)
+    finally:
+        ckptfx.clear_recompute_session("s1")
+        ckptfx.clear_recompute_session("s2")
+
+
+def test_prefire_inside_an_open_context_fills_the_reads() -> None:
+    blocks, params, x, gout, stack, want = setup()
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = stack(True)
+    try:
+        with ckptfx.recompute_session_ctx("mb", retain_on_unpack=True):
+            for h in handles:
+                ckptfx.recompute_handle(h, "mb")
+            assert all(len(h.frame.reads) > 0 for h in handles)
+            with PythonCalls() as reads:
+                got = list(torch.autograd.grad(out, [x, *params], gout, retain_graph=True))
+            assert reads.calls == 0
+    finally:
+        ckptfx.clear_recompute_session("mb")
+    assert_bitwise(got, want)
+    assert [b.runs for b in blocks] == [2, 2]
