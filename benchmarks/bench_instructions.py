@@ -38,46 +38,12 @@ VARIANTS = ("none", "floor", "sessions")
 def _step(variant: str) -> Callable[[], None]:
     import torch
 
-    import ckptfx
-    from ckptfx.bench.overhead import (MLPBlock, _identity, _run_to_last_pack, _saves_of,
-                                       _split_backward)
+    from ckptfx.bench.overhead import split_variants
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    blocks = [MLPBlock(64, 256) for _ in range(6)]
-    x = torch.randn(8, 64, requires_grad=True)
-    g = torch.randn(8, 64)
-    params = [p for b in blocks for p in b.parameters()]
-    saves = _saves_of(blocks[0], x)
-
-    def plain(h: torch.Tensor) -> torch.Tensor:
-        for b in blocks:
-            h = b(h)
-        return h
-
-    def none() -> None:
-        _split_backward(plain(x), x, params, g, None)
-
-    def floor() -> None:
-        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-            out = plain(x)
-        for b in blocks:
-            _run_to_last_pack(b, x, saves)
-        _split_backward(out, x, params, g, None)
-
-    def sessions() -> None:
-        with ckptfx.recompute_handle_collector_ctx() as handles:
-            h = x
-            for b in blocks:
-                h = ckptfx.checkpoint(b, h)
-        try:
-            for hd in handles:
-                ckptfx.recompute_handle(hd, "mb")
-            _split_backward(h, x, params, g, "mb")
-        finally:
-            ckptfx.clear_recompute_session("mb")
-
-    return {"none": none, "floor": floor, "sessions": sessions}[variant]
+    name = {"none": "none", "floor": "hook floor", "sessions": "ckptfx sessions"}[variant]
+    return split_variants()[name]
 
 
 def _child(variant: str, steps: int) -> None:

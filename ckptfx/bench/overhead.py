@@ -255,8 +255,10 @@ def _split_backward(out: torch.Tensor, x: torch.Tensor, params: Sequence[torch.T
         torch.autograd.grad(out, params[-1], g)
 
 
-def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: int = 8,
-                nblocks: int = 6) -> dict[str, float]:
+def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int = 6
+                   ) -> dict[str, Callable[[], None]]:
+    """The split step's variants over ``nblocks`` small MLP blocks, each a step to call (what
+    ``bench_split`` times and ``benchmarks/bench_instructions.py`` counts)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     torch.manual_seed(0)
@@ -354,12 +356,17 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
         finally:
             ckptfx.clear_recompute_session("mb")
 
-    fns = {"none": none, "ckptfx sessions": sessions, "hook floor": hook_floor,
-           "vjp_split": vjp_split,
-           "vjp_split per group": vjp_split_per_group, "fused": fused,
-           "floor": torch_split_plain, "split floor": split_floor,
-           "fused + forward": fused_and_forward,
-           "ckptfx fused": ckptfx_fused}
+    return {"none": none, "ckptfx sessions": sessions, "hook floor": hook_floor,
+            "vjp_split": vjp_split,
+            "vjp_split per group": vjp_split_per_group, "fused": fused,
+            "floor": torch_split_plain, "split floor": split_floor,
+            "fused + forward": fused_and_forward,
+            "ckptfx fused": ckptfx_fused}
+
+
+def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: int = 8,
+                nblocks: int = 6) -> dict[str, float]:
+    fns = split_variants(d, hidden, batch, nblocks)
     times = rounds_of(fns, rounds, inner)
     med = {k: statistics.median(v) for k, v in times.items()}
     r_sess = ratio(times, "ckptfx sessions", "none")
@@ -377,7 +384,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
     print(f"split step, {nblocks} MLP blocks d={d} hidden={hidden} batch={batch} "
           f"({rounds}x{inner} steps): " + ", ".join(f"{k} {v * 1e3:.3f} ms"
                                                    for k, v in med.items()))
-    print(f"  ckptfx sessions (prefire + dx + {len(params)} dw calls) / none: {_fmt(r_sess)}"
+    dw_calls = 4 * nblocks  # one per parameter: fc1's and fc2's weight and bias
+    print(f"  ckptfx sessions (prefire + dx + {dw_calls} dw calls) / none: {_fmt(r_sess)}"
           + _target("split_sessions_vs_none"))
     print(f"  floor: saved-tensor hooks + one more forward to each block's last pack / none: "
           f"{_fmt(r_hooks)}; ckptfx sessions / that floor: {_fmt(r_sess_floor)}")
