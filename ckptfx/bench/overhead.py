@@ -126,16 +126,20 @@ def rounds_of(fns: dict[str, Callable[[], Any]], rounds: int, inner: int = 1
     return times
 
 
-def ratio(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float, float]:
-    """Median of a / median of b, and the quartiles of the per-round ratios a/b."""
+def ratio(times: dict[str, list[float]], a: str, b: str
+          ) -> tuple[float, float, float, float]:
+    """Median of a / median of b (the figure), the quartiles of the per-round ratios a/b, and
+    their median: each round times a and b next to each other, so where the machine's speed
+    drifts during a run the per-round median can differ from the figure, even fall outside
+    the quartiles (both are printed)."""
     per_round = sorted(x / y for x, y in zip(times[a], times[b]))
     n = len(per_round)
     return (statistics.median(times[a]) / statistics.median(times[b]),
-            per_round[n // 4], per_round[(3 * n) // 4])
+            per_round[n // 4], per_round[(3 * n) // 4], statistics.median(per_round))
 
 
-def _fmt(r: tuple[float, float, float]) -> str:
-    return f"{r[0]:.3f}x (per-round IQR {r[1]:.3f}-{r[2]:.3f})"
+def _fmt(r: tuple[float, float, float, float]) -> str:
+    return f"{r[0]:.3f}x (per round: median {r[3]:.3f}, IQR {r[1]:.3f}-{r[2]:.3f})"
 
 
 def _target(key: str) -> str:
