@@ -5,9 +5,9 @@
 
 The split step of ``ckptfx bench --overhead --only split`` (6 MLP blocks d=64, prefire +
 dx + one dw call per parameter) runs in a child process under ``valgrind --tool=callgrind``
-for each variant; only the steps themselves are counted (they run inside ``map``, and
-callgrind collects inside ``map_next`` only; with ``--backward``, inside the autograd
-engine's calls only). The same program and inputs give the same count on any machine
+twice for each variant, the second time with ``--steps`` more steps; the difference of the
+two counts, over ``--steps``, is the steps' alone (start-up, imports, warm-up and exit
+cancel out; with ``--backward``, only the autograd engine's calls are counted). The same program and inputs give the same count on any machine
 state, so a change of a few tenths of a percent is visible, where the step's time moves by
 +-5% from run to run on a shared 2-core machine. Counts are not time: cache misses, page
 faults and the kernel's work do not show (a step's time over its instructions is about 3x
@@ -17,7 +17,8 @@ the work, and ``bench_overhead.py`` for what it does to the time.
 Variants: ``none`` (no checkpointing), ``floor`` (every saved tensor through a Python
 identity hook, plus one more forward of each block to its last pack: what any checkpoint on
 saved-tensor hooks pays), ``sessions`` (ckptfx checkpoint, collector, prefire, sessions).
-Needs valgrind (Debian's ``valgrind`` package); about 2-3 minutes per variant, two at once.
+Needs valgrind (Debian's ``valgrind`` package); about 4-6 minutes per variant, two
+children at once.
 ``PYTHONHASHSEED=0`` in the children: the hash seed moves a count by about 0.3%.
 """
 
@@ -47,24 +48,34 @@ def _step(variant: str) -> Callable[[], None]:
 
 def _child(variant: str, steps: int) -> None:
     step = _step(variant)
-    for _ in range(3):  # warm up: imports, first-call caches (not counted)
+    for _ in range(3 + steps):  # 3 warm-up steps (imports, first-call caches), then the rest
         step()
-    list(map(lambda _: step(), range(steps)))  # counted: callgrind collects in map_next
 
 
-def count(variant: str, steps: int, backward: bool = False) -> float:
-    """Instructions per step of ``variant`` (a child process under callgrind)."""
-    toggle = "THPEngine_run_backward*" if backward else "map_next"
-    cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no",
-           f"--toggle-collect={toggle}", "--callgrind-out-file=/dev/null",
+def _collected(variant: str, steps: int, backward: bool) -> int:
+    """Instructions callgrind collected in one child running 3 + ``steps`` steps."""
+    what = (["--collect-atstart=no", "--toggle-collect=THPEngine_run_backward*"]
+            if backward else [])
+    cmd = ["valgrind", "--tool=callgrind", *what, "--callgrind-out-file=/dev/null",
            sys.executable, os.path.abspath(__file__), "--child", variant, str(steps)]
     env = dict(os.environ, PYTHONHASHSEED="0")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stderr
     m = re.search(r"Collected : ([\d,]+)", out)
     if m is None:
         raise RuntimeError(f"callgrind printed no count for {variant}:\n{out[-2000:]}")
-    # with --backward the warm-up steps' engine calls are counted too
-    return int(m.group(1).replace(",", "")) / (steps + (3 if backward else 0))
+    return int(m.group(1).replace(",", ""))
+
+
+def count(variant: str, steps: int, backward: bool = False,
+          pool: concurrent.futures.Executor | None = None) -> float:
+    """Instructions per step of ``variant``: two children under callgrind, one running
+    ``steps`` more steps than the other; the difference is the steps' alone (start-up,
+    imports, warm-up and exit cancel out)."""
+    if pool is None:
+        return (_collected(variant, steps, backward) - _collected(variant, 0, backward)) / steps
+    hi, lo = pool.submit(_collected, variant, steps, backward), pool.submit(
+        _collected, variant, 0, backward)
+    return (hi.result() - lo.result()) / steps
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -87,8 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if shutil.which("valgrind") is None:
         sys.exit("bench_instructions: valgrind is not installed (apt-get install valgrind)")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        counts = dict(zip(variants, pool.map(
-            lambda v: count(v, args.steps, args.backward), variants)))
+        counts = {v: count(v, args.steps, args.backward, pool) for v in variants}
     what = "engine calls" if args.backward else "step"
     for v, n in counts.items():
         line = f"{v:9s} {n / 1e6:8.3f} M instructions per {what}"
