@@ -7,7 +7,9 @@ The split step of ``ckptfx bench --overhead --only split`` (6 MLP blocks d=64, p
 dx + one dw call per parameter) runs in a child process under ``valgrind --tool=callgrind``
 twice for each variant, the second time with ``--steps`` more steps; the difference of the
 two counts, over ``--steps``, is the steps' alone (start-up, imports, warm-up and exit
-cancel out; with ``--backward``, only the autograd engine's calls are counted). The same program and inputs give the same count on any machine
+cancel out; with ``--backward``, only the autograd engine's calls are counted). Only the
+main thread's instructions count: other threads (torch's) spin or wait as scheduling has
+them. The same program and inputs give the same count on any machine
 state, so a change of a few tenths of a percent is visible, where the step's time moves by
 +-5% from run to run on a shared 2-core machine. Counts are not time: cache misses, page
 faults and the kernel's work do not show (a step's time over its instructions is about 3x
@@ -31,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Callable
 
 VARIANTS = ("none", "floor", "sessions")
@@ -53,17 +56,26 @@ def _child(variant: str, steps: int) -> None:
 
 
 def _collected(variant: str, steps: int, backward: bool) -> int:
-    """Instructions callgrind collected in one child running 3 + ``steps`` steps."""
+    """Instructions the main thread ran in one child running 3 + ``steps`` steps (other
+    threads, torch's among them, wait or spin for as long as scheduling has them: their
+    counts move from run to run and are left out)."""
     what = (["--collect-atstart=no", "--toggle-collect=THPEngine_run_backward*"]
             if backward else [])
-    cmd = ["valgrind", "--tool=callgrind", *what, "--callgrind-out-file=/dev/null",
-           sys.executable, os.path.abspath(__file__), "--child", variant, str(steps)]
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stderr
-    m = re.search(r"Collected : ([\d,]+)", out)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "callgrind.out")
+        cmd = ["valgrind", "--tool=callgrind", *what, "--separate-threads=yes",
+               f"--callgrind-out-file={out_file}", sys.executable, os.path.abspath(__file__),
+               "--child", variant, str(steps)]
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        main_thread = out_file + "-01"
+        if run.returncode != 0 or not os.path.exists(main_thread):
+            raise RuntimeError(f"callgrind failed for {variant}:\n{run.stderr[-2000:]}")
+        with open(main_thread) as f:
+            m = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
     if m is None:
-        raise RuntimeError(f"callgrind printed no count for {variant}:\n{out[-2000:]}")
-    return int(m.group(1).replace(",", ""))
+        raise RuntimeError(f"callgrind wrote no total for {variant}'s main thread")
+    return int(m.group(1))
 
 
 def count(variant: str, steps: int, backward: bool = False,

@@ -768,3 +768,31 @@ def test_session_stats_report_frames_tensors_bytes() -> None:
     finally:
         for sid in ("s1", "s2"):
             ckptfx.clear_recompute_session(sid)
+
+
+def _aliasing_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x.view(-1).sin()  # sin saves a view of the input x: no memory of the replay's
+    # mm saves a view of the activation a (counted) and w.t(), a view of a leaf (not)
+    return torch.nn.functional.linear(a.view_as(x), w).exp()  # exp saves its result (counted)
+
+
+@pytest.mark.parametrize("prefire", [True, False])
+def test_session_stats_leave_out_replayed_views_of_inputs_and_parameters(prefire: bool
+                                                                          ) -> None:
+    # The first session replay of a frame notes which saved tensors alias an input or a
+    # parameter (a view or the tensor itself): they hold no memory of the replay's own.
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = ckptfx.checkpoint(_aliasing_block, x, w)
+    try:
+        if prefire:
+            ckptfx.recompute_handle(handles[0], "s")
+        else:  # replayed at its first unpack, inside the session's context
+            with ckptfx.recompute_session_ctx("s", retain_on_unpack=True):
+                torch.autograd.grad(out, w, torch.ones_like(out), retain_graph=True)
+        s = ckptfx.recompute_session_stats()["s"]
+        # a (4 x 8 floats, viewed by mm's saved input) and exp's result (4 x 8 floats)
+        assert (s.frames, s.replayed, s.tensors, s.nbytes) == (1, 1, 2, 2 * 4 * 8 * 4)
+    finally:
+        ckptfx.clear_recompute_session("s")

@@ -31,7 +31,9 @@ split   a split step over 6 small MLP blocks (d=64, hidden 256, batch 8): ckptfx
         this size (dx, then one weight backward from the outputs), what any checkpointed
         split replaying each block once through saved-tensor hooks pays. Also: ckptfx's
         checkpoint with prefire and one fused backward, vjp_split against it, and
-        vjp_split forced to its per-group weight pass (what the rule's choice saves).
+        vjp_split forced to its per-group weight pass (what the rule's choice saves), and
+        what a checkpoint's own machinery costs per block over the hook floor in a fused
+        step (forward + one backward), ckptfx's checkpoint against torch's.
 vjp256  dx + dw of ``vjp_split`` vs one fused backward over 6 checkpointed transformer
         blocks (d=256, batch 8, seq 128; target <= 1.05x). Floor: torch's split against a
         fused backward, both without checkpointing (dw reads each activation a second time,
@@ -360,12 +362,32 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
         finally:
             ckptfx.clear_recompute_session("mb")
 
+    def torch_fused() -> None:
+        # torch's checkpoint, one fused backward (it replays each block once per backward
+        # call, so it has no split step to compare with: this measures its machinery)
+        h = x
+        for b in blocks:
+            h = checkpoint(b, h, use_reentrant=False)
+        torch.autograd.grad(h, [x, *params], g)
+
+    def hook_floor_fused() -> None:
+        # the hook floor's forward and replays, then one fused backward
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            out = plain(x)
+        for b in blocks:
+            _run_to_last_pack(b, x, saves_per_block)
+        torch.autograd.grad(out, [x, *params], g)
+
+    def ckptfx_plain_fused() -> None:
+        torch.autograd.grad(stack(x), [x, *params], g)
+
     return {"none": none, "ckptfx sessions": sessions, "hook floor": hook_floor,
             "vjp_split": vjp_split,
             "vjp_split per group": vjp_split_per_group, "fused": fused,
             "floor": torch_split_plain, "split floor": split_floor,
             "fused + forward": fused_and_forward,
-            "ckptfx fused": ckptfx_fused}
+            "ckptfx fused": ckptfx_fused, "torch checkpoint fused": torch_fused,
+            "hook floor fused": hook_floor_fused, "ckptfx checkpoint fused": ckptfx_plain_fused}
 
 
 def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: int = 8,
@@ -404,6 +426,17 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
     print(f"  vjp_split step / that checkpointed fused step: {_fmt(r_vjp_ck)}")
     print(f"  vjp_split with the per-group weight pass / fused: {_fmt(r_pg)}; the rule's "
           f"pass / per-group: {_fmt(r_whole)}")
+    # What a checkpoint's own machinery costs per block, over the hook floor, in a fused
+    # step (forward + one backward): ckptfx's against torch's, the same blocks and run.
+    floor_fused = med["hook floor fused"]
+    per_block = {k: (med[k] - floor_fused) / nblocks
+                 for k in ("ckptfx checkpoint fused", "torch checkpoint fused")}
+    r_machinery = per_block["ckptfx checkpoint fused"] / per_block["torch checkpoint fused"]
+    print(f"  fused step, per block over the hook floor: ckptfx's checkpoint "
+          f"{per_block['ckptfx checkpoint fused'] * 1e6:.0f} us, torch's "
+          f"{per_block['torch checkpoint fused'] * 1e6:.0f} us (ckptfx / torch "
+          f"{r_machinery:.2f}); ckptfx's checkpoint / torch's, whole step: "
+          f"{_fmt(ratio(times, 'ckptfx checkpoint fused', 'torch checkpoint fused'))}")
     return {"split_sessions_vs_none": r_sess[0], "split_hook_floor_vs_none": r_hooks[0],
             "split_sessions_vs_hook_floor": r_sess_floor[0], "split_vjp_vs_fused": r_vjp[0],
             "split_torch_plain_vs_fused": r_floor[0],
@@ -411,7 +444,8 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
             "split_vjp_vs_vjp_floor": r_vjp_split_floor[0],
             "split_fused_plus_forward_vs_fused": r_recompute[0],
             "split_ckptfx_fused_vs_fused": r_ck[0], "split_vjp_vs_ckptfx_fused": r_vjp_ck[0],
-            "split_vjp_per_group_vs_fused": r_pg[0], "split_vjp_vs_per_group": r_whole[0]}
+            "split_vjp_per_group_vs_fused": r_pg[0], "split_vjp_vs_per_group": r_whole[0],
+            "split_machinery_ckptfx_vs_torch": r_machinery}
 
 
 def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
