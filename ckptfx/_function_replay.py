@@ -122,71 +122,58 @@ class _Recorder:
             watch.__exit__(None, None, None)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        # The replay's pack hook, once per saved tensor: the probe and the filing are
-        # written out here, not called (a Python call each, per saved tensor).
         i = self.count
         self.count = i + 1
         probe = self.probe
-        if probe is not None:  # aliases an input or a parameter (a leaf)?
-            if id(x) in self.input_ids:
-                probe.append(i)
-            else:
-                base = x._base
-                if base is None:
-                    if x.requires_grad and x.grad_fn is None:
-                        probe.append(i)
-                elif id(base) in self.input_ids or (
-                        base.requires_grad and base.grad_fn is None):
-                    probe.append(i)
-        watch = self.watch
-        if watch is not None:
-            # A pack of the last op, its watch armed (Rule 6). The object the op will hold
-            # at the dispatcher, by id: a reference would be a cycle gc cannot see (x's
-            # graph holds this hook through its saved variables).
-            self.last_op_packs.add(id(x))
+        if probe is not None and _aliases_input_or_leaf(x, self.input_ids):
+            probe.append(i)
+        if self.watch is not None:
+            return self._pack_watched(x, i)
         if x.requires_grad:
-            if watch is None:
-                x = x.detach()
-            else:
-                ran, self.last_op_ran = self.last_op_ran, None  # the watch lets the detach
-                x = x.detach()                                 # pass: not an op of the block
-                self.last_op_ran = ran
-        tensors = self.tensors
-        if i >= len(tensors):
-            self._overflow()
-        else:
-            # Filed if its holder lives, and checked against the forward (Rule 5).
-            frame = self.frame
-            if frame.holders[i]() is not None:
-                tensors[i] = x
-                metas = frame.metas
-                if metas is not None:
-                    meta = metas[i]
-                    if x.dtype != meta[1] or x.shape != meta[0] or x.device != meta[2]:
-                        self.mismatched.append((i, meta, (x.shape, x.dtype, x.device)))
-        if watch is not None:
-            if i + 1 == self.stop_at and self.last_op_ran:
-                raise _Stop  # the last op ran before this pack: its outputs are saved
-            return x  # else an input of the last op, packed before it runs: the watch decides
+            x = x.detach()
+        self._file(x, i)
         if i + 1 == self.stop_at:
             raise _Stop  # torch's stop, in the pack of the last saved tensor (Rule 6)
         if i + 1 == self.last_op_first:
             self.arm()  # the next pack is the last op's first
         return x
 
-    def _overflow(self) -> None:
-        """A pack past the forward's count."""
+    def _pack_watched(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """A pack of the last op, its watch armed (Rule 6)."""
+        # The object the op will hold at the dispatcher, by id: a reference would be a cycle
+        # gc cannot see (x's graph holds this hook through its saved variables).
+        self.last_op_packs.add(id(x))
+        if x.requires_grad:
+            ran, self.last_op_ran = self.last_op_ran, None  # the watch lets this pass:
+            x = x.detach()                                 # not an op of the block
+            self.last_op_ran = ran
+        self._file(x, i)
+        if i + 1 == self.stop_at and self.last_op_ran:
+            raise _Stop  # the last op ran before this pack: its outputs are saved
+        # else an input of the last op, packed before the op runs: the watch decides
+        return x
+
+    def _file(self, x: torch.Tensor, i: int) -> None:
+        """Put the replayed tensor at position ``i`` if its holder lives, checking it."""
         frame = self.frame
-        if not frame.forward_done:
-            # Backward inside the block during its own forward: the replay may see more
-            # than the forward had saved when it was triggered (torch's Rule 6).
-            frame.ignore_count = True
-            return
-        raise CheckpointError(
-            "ckptfx.checkpoint: trying to save more tensors during recomputation than "
-            f"during the original forward pass ({len(frame.holders)}). The block must run "
-            "the same ops when replayed.\n" + DEBUG_TIP
-        )
+        if i >= len(self.tensors):
+            if not frame.forward_done:
+                # Backward inside the block during its own forward: the replay may see more
+                # than the forward had saved when it was triggered (torch's Rule 6).
+                frame.ignore_count = True
+                return
+            raise CheckpointError(
+                "ckptfx.checkpoint: trying to save more tensors during recomputation than "
+                f"during the original forward pass ({len(frame.holders)}). The block must run "
+                "the same ops when replayed.\n" + DEBUG_TIP
+            )
+        if frame.holders[i]() is not None:
+            self.tensors[i] = x
+            metas = frame.metas
+            if metas is not None:
+                meta = metas[i]
+                if x.dtype != meta[1] or x.shape != meta[0] or x.device != meta[2]:
+                    self.mismatched.append((i, meta, (x.shape, x.dtype, x.device)))
 
     def check(self, frame: Frame) -> None:
         """After the replay: the count and metadata checks of Rule 5, in torch's words."""
@@ -215,6 +202,15 @@ class _Recorder:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _aliases_input_or_leaf(x: torch.Tensor, input_ids: set[int]) -> bool:
+    if id(x) in input_ids:
+        return True
+    base = x._base
+    if base is None:
+        return x.requires_grad and x.grad_fn is None
+    return id(base) in input_ids or (base.requires_grad and base.grad_fn is None)
 
 
 def rerun_function(frame: Frame, tensors: Replay) -> None:

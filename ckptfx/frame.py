@@ -173,8 +173,6 @@ class Holder:
         self.index = index
 
 
-_new_holder = object.__new__  # Holder(frame, index) without a Python __init__ (Frame.pack)
-
 _rng_lock = threading.RLock()  # Rule 8
 
 Replay = list  # position -> replayed tensor, None once handed out (or if its holder died)
@@ -253,26 +251,18 @@ class Frame:
     # -- forward ---------------------------------------------------------------------------
 
     def pack(self, x: torch.Tensor) -> Holder:
-        # The forward's pack hook, once per saved tensor: note_op and Holder's __init__
-        # are written out here (a Python call each, per saved tensor).
         holders = self.holders
         position = len(holders)
-        holder = _new_holder(Holder)
-        holder.frame = self
-        holder.index = position
+        holder = Holder(self, position)
         holders.append(weakref.ref(holder))
         metas = self.metas
         if metas is not None:
             metas.append((x.shape, x.dtype, x.device))
-        seq = _next_sequence_nr()
-        if seq != self.op_seq:
-            self.prev_op_seq, self.op_seq = self.op_seq, seq
-            self.last_op_first = position
+        self.note_op(position)
         return holder
 
     def note_op(self, position: int) -> None:
-        """At each pack of the forward: note where the packs of a new op start (Rule 6).
-        ``pack`` has these lines written out (its hot path); keep the two alike."""
+        """At each pack of the forward: note where the packs of a new op start (Rule 6)."""
         seq = _next_sequence_nr()
         if seq != self.op_seq:
             self.prev_op_seq, self.op_seq = self.op_seq, seq
