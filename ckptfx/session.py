@@ -103,13 +103,12 @@ class Activation:
             self.log, self.drop_unless = log, drop_unless
             for frame in _frames_of(self.session):
                 if frame.active is self:
-                    frame.reads.clear()
+                    _sync_reads(frame)  # empties it: this activation logs now
 
     def keep(self, frame: Frame, replay: list) -> list:
         """A frame bound to this activation was just replayed for its session: keep the
         replay (``_keep_replay``) and return the one the session reads."""
-        with _lock:
-            return _keep_replay(frame, self.session, replay)
+        return _keep_replay(frame, self.session, replay)
 
     def adopt(self, frame: Frame) -> "Activation | None":
         """Lazy discovery (Rule 2): register and bind a frame first unpacked in this context."""
@@ -321,14 +320,14 @@ def _keep_replay(frame: Frame, session: Session, replay: list) -> list:
     """Cache ``replay`` as ``frame``'s session replay if the frame is still registered to
     ``session`` (a clear may have come while it replayed: then nothing keeps it, and it
     serves the read at hand only), and bring ``reads`` in line. Returns the replay the
-    session reads: the first one kept, if two threads replayed the frame at once. Called
-    under ``_lock``."""
-    if frame.session is session:
-        if frame.session_replay is None:
-            frame.session_replay = replay
-        else:
-            replay = frame.session_replay
-        _sync_reads(frame)
+    session reads: the first one kept, if two threads replayed the frame at once."""
+    with _lock:
+        if frame.session is session:
+            if frame.session_replay is None:
+                frame.session_replay = replay
+            else:
+                replay = frame.session_replay
+            _sync_reads(frame)
     return replay
 
 
@@ -480,9 +479,7 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
         frame, session = registered
         if frame.session_replay is None:  # the frame is registered to session now
             before_prefire(frame)  # FSDP2: the replay reads unsharded parameters
-            replay = frame.replay(session, store=False, scheduled=True)
-            with _lock:
-                _keep_replay(frame, session, replay)
+            _keep_replay(frame, session, frame.replay(session, store=False, scheduled=True))
 
 
 def register_handle(handle: RecomputeHandle, session_id: Hashable) -> None:

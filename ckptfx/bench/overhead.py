@@ -325,7 +325,7 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
 
     saves_per_block = _saves_of(blocks[0], x)
 
-    def hook_floor() -> None:
+    def floor_forward() -> torch.Tensor:
         # What any checkpoint built on saved-tensor hooks pays at the least: every saved
         # tensor through a Python hook (identity here), and each block run once more under
         # the hook up to its last pack (the replay's compute, stopped as an early stop does).
@@ -333,17 +333,17 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
             out = plain(x)
         for b in blocks:
             _run_to_last_pack(b, x, saves_per_block)
-        _split_backward(out, x, params, g, None)
+        return out
+
+    def hook_floor() -> None:
+        _split_backward(floor_forward(), x, params, g, None)
 
     def split_floor() -> None:
         # The least a checkpointed split with one replay per block costs here: the hook
         # floor's forward and replays, then vjp_split's two engine calls at this size (its
         # whole weight pass: dx, then one weight backward from the outputs; the gradients
         # returned, where vjp_split also puts them in .grad).
-        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-            out = plain(x)
-        for b in blocks:
-            _run_to_last_pack(b, x, saves_per_block)
+        out = floor_forward()
         torch.autograd.grad(out, x, g, retain_graph=True)
         torch.autograd.grad(out, params, g)
 
@@ -372,11 +372,7 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
 
     def hook_floor_fused() -> None:
         # the hook floor's forward and replays, then one fused backward
-        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-            out = plain(x)
-        for b in blocks:
-            _run_to_last_pack(b, x, saves_per_block)
-        torch.autograd.grad(out, [x, *params], g)
+        torch.autograd.grad(floor_forward(), [x, *params], g)
 
     def ckptfx_plain_fused() -> None:
         torch.autograd.grad(stack(x), [x, *params], g)
