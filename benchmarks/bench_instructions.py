@@ -42,7 +42,7 @@ VARIANTS = ("none", "floor", "sessions")
 def _step(variant: str) -> Callable[[], None]:
     import torch
 
-    from ckptfx.bench.overhead import split_variants
+    from ckptfx.bench.overhead_split import split_variants
 
     torch.set_num_threads(1)  # split_variants seeds the blocks and inputs itself
     name = {"none": "none", "floor": "hook floor", "sessions": "ckptfx sessions"}[variant]

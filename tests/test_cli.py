@@ -258,13 +258,49 @@ def test_bench_overhead_runs_from_the_package(tmp_path: Path,
     assert torch.get_num_threads() == threads  # the one-thread setting is put back
 
 
+def test_bench_vjp256_runs_again_in_a_process_keeping_freed_memory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The d=256 part runs a second time in a new process whose glibc keeps freed memory
+    (malloc reads its settings at start-up); its figures come back renamed. Tiny sizes: a
+    smoke run of the mechanism, not a measurement."""
+    import platform
+
+    from ckptfx.bench.overhead_split import KEEP_FREED_MEMORY, bench_vjp256_keeping_freed_memory
+
+    figures = bench_vjp256_keeping_freed_memory(1, d=16, seq=4, nblocks=2)
+    out = capsys.readouterr().out
+    if platform.libc_ver()[0] != "glibc":
+        assert figures == {} and "needs glibc: skipped" in out
+        return
+    assert {"vjp256_kept_vs_fused", "vjp256_kept_torch_plain_split_vs_fused",
+            "vjp256_kept_late_drop_vs_fused"} <= set(figures)
+    assert not any(k.startswith("vjp256_vs") for k in figures)
+    assert all(f"{k}={v}" in out for k, v in KEEP_FREED_MEMORY.items())
+    assert "  dx + dw, 2 checkpointed transformer blocks d=16" in out  # the child's report
+    assert "minor page faults per step: fused" in out
+
+
+def test_bench_vjp256_keeping_freed_memory_needs_no_child_when_this_process_keeps_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptfx.bench import overhead_split
+
+    for k, v in overhead_split.KEEP_FREED_MEMORY.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(overhead_split.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(overhead_split.subprocess, "run", None)  # no child may start
+    assert overhead_split.bench_vjp256_keeping_freed_memory(1) == {}
+    assert "already keeps freed memory" in capsys.readouterr().out
+
+
 def test_bench_overhead_verdict_names_each_target_and_its_floor() -> None:
     from ckptfx.bench.overhead import verdict
 
     lines = verdict({"split_sessions_vs_none": 1.29, "split_hook_floor_vs_none": 1.15,
                      "vjp256_vs_fused": 1.10, "vjp256_torch_plain_split_vs_fused": 1.12,
+                     "vjp256_kept_vs_fused": 1.02, "vjp256_kept_torch_plain_split_vs_fused": 1.03,
                      "remat64_dots_vs_sac": 1.0})
-    assert [line.split()[0] for line in lines] == ["met", "met", "NOT"]
+    assert [line.split()[0] for line in lines] == ["met", "met", "NOT", "met"]
     assert lines[1].startswith("met      1.290x <= 1.3") and "(floor 1.150x)" in lines[1]
     assert "d=256 (floor 1.120x: the target is below it)" in lines[2]
+    assert "keeping freed memory" in lines[3] and lines[3].endswith("(floor 1.030x)")
     assert verdict({}) == []  # a part not run: no line
