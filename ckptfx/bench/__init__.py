@@ -10,7 +10,8 @@ from the same run.
 
 Modules: ``llama`` (the model), ``variants`` (the registry), ``memory`` (how peaks are read),
 ``measure`` (a measuring subprocess), ``split`` (replay counts), ``sweep`` (one run),
-``overhead`` (``--overhead``: per-call costs where blocks are small, against torch),
+``overhead`` (``--overhead``: per-call costs where blocks are small, against torch; its split
+parts in ``overhead_split``, what its parts share in ``_overhead_common``),
 ``report`` (tables), ``plot`` (PNGs).
 """
 

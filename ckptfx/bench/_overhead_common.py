@@ -14,6 +14,7 @@ import torch.nn.functional as F
 __all__ = ["Block", "MLPBlock", "TARGETS", "fmt", "ratio", "rounds_of", "target_note",
            "verdict"]
 
+
 class Block(nn.Module):
     """A pre-norm transformer block (no dropout: bench_remat.py's)."""
 
@@ -75,6 +76,7 @@ def ratio(times: dict[str, list[float]], a: str, b: str
 
 
 def fmt(r: tuple[float, float, float, float]) -> str:
+    """A ``ratio`` as printed: the figure, then the per-round median and quartiles."""
     return f"{r[0]:.3f}x (per round: median {r[3]:.3f}, IQR {r[1]:.3f}-{r[2]:.3f})"
 
 

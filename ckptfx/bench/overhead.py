@@ -66,13 +66,14 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 import ckptfx
 from ckptfx import checkpoint_policies as cp
 
-from ._overhead_common import (TARGETS, Block, MLPBlock, fmt as _fmt, ratio, rounds_of,
-                               target_note as _target, verdict)
-from .overhead_split import (bench_split, bench_vjp256, bench_vjp256_keeping_freed_memory,
-                             split_variants)
+from ._overhead_common import (TARGETS, Block, MLPBlock, fmt, ratio, rounds_of, target_note,
+                               verdict)
+from .overhead_split import (KEEP_FREED_MEMORY, bench_split, bench_vjp256,
+                             bench_vjp256_keeping_freed_memory, split_variants)
 
-__all__ = ["Block", "MLPBlock", "PARTS", "TARGETS", "bench_remat", "bench_split", "bench_vjp256",
-           "main", "ratio", "rounds_of", "run", "split_variants", "verdict"]
+__all__ = ["KEEP_FREED_MEMORY", "PARTS", "TARGETS", "Block", "MLPBlock", "bench_remat",
+           "bench_split", "bench_vjp256", "bench_vjp256_keeping_freed_memory", "main", "ratio",
+           "rounds_of", "run", "split_variants", "verdict"]
 
 aten = torch.ops.aten
 DOTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
@@ -120,17 +121,17 @@ def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
     r_recorded = ratio(times, "remat nothing recorded", "torch")
     print(f"remat forward, transformer block d={d} batch={b} seq={t} ({rounds}x{inner} calls): "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in med.items()))
-    print(f"  nothing_saveable / torch checkpoint: {_fmt(r_nothing)}" + _target(f"remat{d}_nothing_vs_torch"))
-    print(f"  nothing_saveable, always_record=True / torch checkpoint: {_fmt(r_recorded)}")
-    print(f"  dots_saveable / torch SAC:           {_fmt(r_dots)}" + _target(f"remat{d}_dots_vs_sac"))
+    print(f"  nothing_saveable / torch checkpoint: {fmt(r_nothing)}" + target_note(f"remat{d}_nothing_vs_torch"))
+    print(f"  nothing_saveable, always_record=True / torch checkpoint: {fmt(r_recorded)}")
+    print(f"  dots_saveable / torch SAC:           {fmt(r_dots)}" + target_note(f"remat{d}_dots_vs_sac"))
     print(f"  floor: torch checkpoint under an empty dispatch mode / torch checkpoint: "
-          f"{_fmt(r_floor)}")
+          f"{fmt(r_floor)}")
     steps = rounds_of({k: _fwd_bwd(fns[k]) for k in
                        ("torch", "remat nothing", "remat nothing recorded")}, rounds, inner)
     s_nothing = ratio(steps, "remat nothing", "torch")
     s_recorded = ratio(steps, "remat nothing recorded", "torch")
-    print(f"  step (forward + backward), nothing_saveable / torch checkpoint: {_fmt(s_nothing)}")
-    print(f"  step, nothing_saveable, always_record=True / torch checkpoint: {_fmt(s_recorded)}")
+    print(f"  step (forward + backward), nothing_saveable / torch checkpoint: {fmt(s_nothing)}")
+    print(f"  step, nothing_saveable, always_record=True / torch checkpoint: {fmt(s_recorded)}")
     return {f"remat{d}_nothing_vs_torch": r_nothing[0], f"remat{d}_dots_vs_sac": r_dots[0],
             f"remat{d}_dispatch_floor_vs_torch": r_floor[0],
             f"remat{d}_recorded_nothing_vs_torch": r_recorded[0],

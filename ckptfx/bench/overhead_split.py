@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import site
 import statistics
 import subprocess
 import sys
@@ -20,10 +21,16 @@ import ckptfx
 import ckptfx._weight_calls as weight_calls
 import ckptfx.split as cx_split
 
-from ._overhead_common import Block, MLPBlock, fmt as _fmt, ratio, rounds_of, target_note as _target
+from ._overhead_common import Block, MLPBlock, fmt, ratio, rounds_of, target_note
+
+try:
+    import resource  # page-fault counts (not on Windows)
+except ImportError:
+    resource = None  # type: ignore[assignment]
 
 __all__ = ["KEEP_FREED_MEMORY", "bench_split", "bench_vjp256",
            "bench_vjp256_keeping_freed_memory", "split_variants"]
+
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
@@ -226,21 +233,21 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
           f"({rounds}x{inner} steps): " + ", ".join(f"{k} {v * 1e3:.3f} ms"
                                                    for k, v in med.items()))
     dw_calls = 4 * nblocks  # one per parameter: fc1's and fc2's weight and bias
-    print(f"  ckptfx sessions (prefire + dx + {dw_calls} dw calls) / none: {_fmt(r_sess)}"
-          + _target("split_sessions_vs_none"))
+    print(f"  ckptfx sessions (prefire + dx + {dw_calls} dw calls) / none: {fmt(r_sess)}"
+          + target_note("split_sessions_vs_none"))
     print(f"  floor: saved-tensor hooks + one more forward to each block's last pack / none: "
-          f"{_fmt(r_hooks)}; ckptfx sessions / that floor: {_fmt(r_sess_floor)}")
-    print(f"  vjp_split step / fused step:          {_fmt(r_vjp)}" + _target("split_vjp_vs_fused"))
-    print(f"  floor: torch's split without checkpointing / fused: {_fmt(r_floor)}")
+          f"{fmt(r_hooks)}; ckptfx sessions / that floor: {fmt(r_sess_floor)}")
+    print(f"  vjp_split step / fused step:          {fmt(r_vjp)}" + target_note("split_vjp_vs_fused"))
+    print(f"  floor: torch's split without checkpointing / fused: {fmt(r_floor)}")
     print(f"  floor: saved-tensor hooks + one more forward to each block's last pack + "
           f"vjp_split's two engine calls (dx, then dw from the outputs) / fused: "
-          f"{_fmt(r_split_floor)}; vjp_split / that floor: {_fmt(r_vjp_split_floor)}")
+          f"{fmt(r_split_floor)}; vjp_split / that floor: {fmt(r_vjp_split_floor)}")
     print(f"  floor: fused step + one more forward (a replay's compute) / fused: "
-          f"{_fmt(r_recompute)}")
-    print(f"  ckptfx checkpoint, prefire + one fused backward / fused: {_fmt(r_ck)}")
-    print(f"  vjp_split step / that checkpointed fused step: {_fmt(r_vjp_ck)}")
-    print(f"  vjp_split with the per-group weight pass / fused: {_fmt(r_pg)}; the rule's "
-          f"pass / per-group: {_fmt(r_whole)}")
+          f"{fmt(r_recompute)}")
+    print(f"  ckptfx checkpoint, prefire + one fused backward / fused: {fmt(r_ck)}")
+    print(f"  vjp_split step / that checkpointed fused step: {fmt(r_vjp_ck)}")
+    print(f"  vjp_split with the per-group weight pass / fused: {fmt(r_pg)}; the rule's "
+          f"pass / per-group: {fmt(r_whole)}")
     # What a checkpoint's own machinery costs per block, over the hook floor, in a fused
     # step (forward + one backward): ckptfx's against torch's, the same blocks and run.
     floor_fused = med["hook floor fused"]
@@ -251,7 +258,7 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
           f"{per_block['ckptfx checkpoint fused'] * 1e6:.0f} us, torch's "
           f"{per_block['torch checkpoint fused'] * 1e6:.0f} us (ckptfx / torch "
           f"{r_machinery:.2f}); ckptfx's checkpoint / torch's, whole step: "
-          f"{_fmt(ratio(times, 'ckptfx checkpoint fused', 'torch checkpoint fused'))}")
+          f"{fmt(ratio(times, 'ckptfx checkpoint fused', 'torch checkpoint fused'))}")
     return {"split_sessions_vs_none": r_sess[0], "split_hook_floor_vs_none": r_hooks[0],
             "split_sessions_vs_hook_floor": r_sess_floor[0], "split_vjp_vs_fused": r_vjp[0],
             "split_torch_plain_vs_fused": r_floor[0],
@@ -321,83 +328,104 @@ def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
     r_floor = ratio(times, "plain split", "plain fused")
     print(f"dx + dw, {nblocks} checkpointed transformer blocks d={d} batch={batch} seq={seq} "
           f"({rounds} steps): fused {statistics.median(times['fused']) * 1e3:.1f} ms")
-    print(f"  vjp_split / fused: {_fmt(r)}" + _target("vjp256_vs_fused"))
-    print(f"  floor: torch's split / fused backward, both without checkpointing: {_fmt(r_floor)}")
+    print(f"  vjp_split / fused: {fmt(r)}" + target_note("vjp256_vs_fused"))
+    print(f"  floor: torch's split / fused backward, both without checkpointing: {fmt(r_floor)}")
     print(f"  vjp_split with dx-only tensors dropped when dx ends, not at their read / fused: "
-          f"{_fmt(r_late)}")
+          f"{fmt(r_late)}")
     figures = {"vjp256_vs_fused": r[0], "vjp256_torch_plain_split_vs_fused": r_floor[0],
                "vjp256_late_drop_vs_fused": r_late[0]}
-    if _minor_faults() is not None:
+    if resource is not None:
         # A split holds what dw reads (the captured gradients and its replayed inputs) from
         # dx to dw, where a fused backward frees each as it goes: more memory live at the
         # peak, which glibc hands back to the system after the step and faults in again
         # (zeroed) in the next one.
-        med = {k: statistics.median(v[1:]) for k, v in faults.items()}  # v[0]: warm-up
-        print("  minor page faults per step: " + ", ".join(
-            f"{k} {med[k]:.0f}" for k in ("fused", "vjp_split", "plain fused", "plain split")))
-        figures.update({f"vjp256_page_faults_{k.replace(' ', '_')}": float(med[k])
-                        for k in ("fused", "vjp_split", "plain fused", "plain split")})
+        med = {k: statistics.median(v[-rounds:]) for k, v in faults.items()}  # no warm-up
+        print("  minor page faults per step: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in med.items()))
+        figures.update({f"vjp256_page_faults_{k.replace(' ', '_')}": float(v)
+                        for k, v in med.items()})
     return figures
 
 
-def _minor_faults() -> int | None:
-    """Minor page faults of this process so far (None where ``resource`` is missing)."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def _counting_faults(fn: Callable[[], None], into: list[int]) -> Callable[[], None]:
-    if _minor_faults() is None:
+    """``fn``, appending the minor page faults of each call to ``into`` (where it can)."""
+    if resource is None:
         return fn
+    getrusage, who = resource.getrusage, resource.RUSAGE_SELF
 
     def step() -> None:
-        before = _minor_faults()
+        before = getrusage(who).ru_minflt
         fn()
-        into.append(_minor_faults() - before)  # type: ignore[operator]
+        into.append(getrusage(who).ru_minflt - before)
     return step
 
 
-# glibc told to keep freed memory, as a caching allocator (CUDA's, NPU's) keeps it: no
-# block is returned to the system by munmap or by trimming the heap, so a step's peak is not
-# faulted in again by the next step.
+# glibc told to keep freed memory, as a caching allocator (CUDA's, NPU's) keeps it: blocks
+# under 32 MiB (the largest mmap threshold glibc accepts; this part's tensors are 4 MiB at
+# most) come from the heap, and the heap is never trimmed, so no step faults in again the
+# peak of the step before it.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "33554432",
                      "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 _FIGURES_LINE = "ckptfx-bench-figures: "
+# The child: the same ckptfx as this process (checked), one thread, bench_vjp256 with the
+# arguments given as JSON in argv, its figures printed as one JSON line.
+_CHILD = """\
+import json, os, sys
+import torch
+import ckptfx
+args = json.loads(sys.argv[1])
+if os.path.realpath(ckptfx.__file__) != args["ckptfx"]:
+    sys.exit("the child imported another ckptfx: " + ckptfx.__file__)
+torch.set_num_threads(1)
+from ckptfx.bench.overhead_split import bench_vjp256
+figures = bench_vjp256(args["rounds"], **args["sizes"])
+print(args["mark"] + json.dumps(figures))
+"""
 
 
 def bench_vjp256_keeping_freed_memory(rounds: int, **sizes: int) -> dict[str, float]:
     """``bench_vjp256`` in a child process whose glibc keeps freed memory
-    (``KEEP_FREED_MEMORY``: malloc reads it at start-up, so it takes a new process). Its
-    figures come back with ``vjp256_kept_`` in place of ``vjp256_``; none where the C
-    library is not glibc, or this process already runs with those settings."""
+    (``KEEP_FREED_MEMORY``: malloc reads it at start-up, so it takes a new process); its
+    report is printed indented. Its figures come back with ``vjp256_kept_`` in place of
+    ``vjp256_``. None where the C library is not glibc, where this process already runs with
+    those settings (its own figures are then that run's), or where the child failed (what
+    it printed on stderr is shown): the verdict then has no line for them."""
     if platform.libc_ver()[0] != "glibc":
         print("  (the run keeping freed memory needs glibc: skipped)")
         return {}
     if all(os.environ.get(k) == v for k, v in KEEP_FREED_MEMORY.items()):
-        print("  (this process already keeps freed memory: the figures above are that run's)")
+        print("  (this process already keeps freed memory: the d=256 figures above are that "
+              "run's)")
         return {}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(ckptfx.__file__)))
-    env = {**os.environ, **KEEP_FREED_MEMORY,
-           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    code = ("import json, torch\n"
-            "torch.set_num_threads(1)\n"
-            "from ckptfx.bench.overhead_split import bench_vjp256\n"
-            f"figures = bench_vjp256({int(rounds)}, **{json.dumps(sizes)})\n"
-            f"print({_FIGURES_LINE!r} + json.dumps(figures))\n")
+    package = os.path.realpath(ckptfx.__file__)
+    env = {**os.environ, **KEEP_FREED_MEMORY}
+    root = os.path.dirname(os.path.dirname(package))
+    if root not in _site_dirs():  # a checkout: put it first; never site-packages itself
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    args = json.dumps({"rounds": int(rounds), "sizes": sizes, "ckptfx": package,
+                       "mark": _FIGURES_LINE})
     print("with glibc keeping freed memory ("
           + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()) + "), a new process:")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=3600)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, args], env=env,
+                              capture_output=True, text=True, timeout=3600)
+    except subprocess.TimeoutExpired:
+        print("  (the run keeping freed memory took over an hour: stopped, no figures)")
+        return {}
     figures: dict[str, float] = {}
     for line in proc.stdout.splitlines():
         if line.startswith(_FIGURES_LINE):
             figures = json.loads(line[len(_FIGURES_LINE):])
         else:
-            print("  " + line.replace("(target <= 1.05)", "").rstrip())
+            print("  " + line)
+    if proc.stderr.strip():
+        print("  " + "\n  ".join(proc.stderr[-4000:].rstrip().splitlines()))
     if proc.returncode != 0 or not figures:
-        raise RuntimeError(f"the run keeping freed memory failed (exit {proc.returncode}):\n"
-                           + proc.stderr[-4000:])
+        print(f"  (the run keeping freed memory failed: exit {proc.returncode}, no figures)")
+        return {}
     return {k.replace("vjp256_", "vjp256_kept_", 1): v for k, v in figures.items()}
+
+
+def _site_dirs() -> set[str]:
+    dirs = [*getattr(site, "getsitepackages", lambda: [])(), site.getusersitepackages()]
+    return {os.path.realpath(d) for d in dirs}
