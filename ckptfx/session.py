@@ -37,7 +37,7 @@ import contextvars
 import dataclasses
 import threading
 import weakref
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from ._distributed import before_prefire
 from .frame import CheckpointError, Frame, tls
@@ -57,6 +57,9 @@ _registry: "weakref.WeakValueDictionary[Hashable, Session]" = weakref.WeakValueD
 _collector: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "ckptfx_collector", default=None
 )
+# Called with the id at every clear_recompute_session, whether the id has frames or not
+# (``on_clear``).
+_clear_listeners: list[Callable[[Hashable], None]] = []
 
 
 class Session:
@@ -526,6 +529,14 @@ def _register_handle(handle: RecomputeHandle, session_id: Hashable
     return frame, session
 
 
+def on_clear(listener: Callable[[Hashable], None]) -> None:
+    """Have ``listener(session_id)`` called at every ``clear_recompute_session``, also for an
+    id no frame is registered to: a transform that holds a session key before any of its
+    frames joins it (a ``vjp_split`` made, its dx not run) learns that the user abandoned
+    it. The listener runs outside the session lock and must not raise."""
+    _clear_listeners.append(listener)
+
+
 def clear_recompute_session(session_id: Hashable) -> None:
     """Drop everything the session holds: cached replays, registrations and bindings.
 
@@ -544,6 +555,8 @@ def clear_recompute_session(session_id: Hashable) -> None:
             ckptfx.clear_recompute_session("mb0")
     """
     _check_session_id(session_id)
+    for listener in _clear_listeners:
+        listener(session_id)
     with _lock:
         session = _registry.pop(session_id, None)
         if session is None:

@@ -78,6 +78,7 @@ from .frame import CheckpointError, tls
 from .session import (
     RecomputeHandle,
     clear_recompute_session,
+    on_clear,
     recompute_handle,
     recompute_handle_collector_ctx,
     recompute_session_ctx,
@@ -152,6 +153,10 @@ class _Split:
         self.lock = threading.Lock()
         self.state = "forward"
         self.prefired = False
+        # Set by _note_clear: the user cleared this split's key before any of its blocks
+        # joined the session (nothing there for Session.cleared to say so).
+        self.cleared_early = False
+        self.clearing = False  # this split clears its own session (not the user)
         self.session_obj: Any = None
         self.dp: _distributed.DataParallel | None = None
 
@@ -240,7 +245,7 @@ class _Split:
 
     def _check_not_cleared(self) -> None:
         obj = self.session_obj
-        if obj is not None and obj.cleared:
+        if self.cleared_early or (obj is not None and obj.cleared):
             self.release()
             raise CheckpointError(
                 f"{self.who}: session {self.key!r} was cleared (clear_recompute_session) before "
@@ -261,8 +266,8 @@ class _Split:
 
     def _prefire(self, replay: bool = True) -> None:
         """Register every block to the session and, with ``replay``, replay it now."""
+        self._check_not_cleared()
         if self.prefired:
-            self._check_not_cleared()
             return
         try:
             if self.dp is not None:
@@ -271,7 +276,11 @@ class _Split:
                 (recompute_handle if replay else register_handle)(h, self.key)
         except BaseException:
             # Leave nothing half-replayed: a retry starts from a clean session.
-            clear_recompute_session(self.key)
+            self.clearing = True
+            try:
+                clear_recompute_session(self.key)
+            finally:
+                self.clearing = False
             raise
         for h in self.handles:
             frame = h.frame
@@ -399,6 +408,20 @@ class _Split:
                     "call dw_fn next (dx_fn runs once per split)")
         return (f"{self.who}: session {key!r} is consumed (its dw_fn ran, or it failed or "
                 "was cleared, which releases it); make a new split")
+
+
+def _note_clear(session_id: Hashable) -> None:
+    """``session.on_clear``: the user cleared the key of a split none of whose blocks has
+    joined the session yet (made, not prefired, dx not run): it is abandoned all the same
+    (Rule 6), and its next call says so and releases it."""
+    with _inflight_lock:
+        split = _inflight.get(session_id)
+    if (split is not None and split.state == "forward" and split.session_obj is None
+            and not split.clearing):
+        split.cleared_early = True
+
+
+on_clear(_note_clear)
 
 
 class _SplitFn:

@@ -450,6 +450,32 @@ def test_clear_abandons_the_split() -> None:
         dw_fn()
 
 
+@pytest.mark.parametrize("first_call", ["dx_fn", "prefire"])
+def test_clear_before_any_block_joined_the_session_abandons_the_split(first_call: str) -> None:
+    """Cleared right after the split was made (nothing prefired, dx not run: no block is in
+    the session yet), the split is abandoned as the docstring says: the next call raises,
+    releases the graph, and leaves nothing behind. (A prefire that fails clears the session
+    itself, which does not abandon the split: test_failed_prefire_can_be_retried.)"""
+    stack = make_stack(n=2)
+    x, g = inputs()
+    params = list(stack.parameters())
+    out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params, session="early")
+    frames = [weakref.ref(h.frame) for h in dx_fn._split.handles]
+    ckptfx.clear_recompute_session("early")
+    with pytest.raises(ckptfx.CheckpointError, match="'early' was cleared"):
+        dx_fn(g) if first_call == "dx_fn" else dx_fn.prefire()
+    with pytest.raises(ckptfx.CheckpointError, match="consumed"):
+        dw_fn()
+    gc.collect()
+    assert all(f() is None for f in frames)  # the graph is released
+    assert not ckptfx.recompute_session_stats() and all(p.grad is None for p in params)
+    # The key is free again: a new split under it runs as usual.
+    _, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params, session="early")
+    dx_fn(g)
+    dw_fn()
+    assert all(p.grad is not None for p in params)
+
+
 def test_dw_that_raises_still_releases_everything() -> None:
     torch.manual_seed(0)
     blk, head = Block(), nn.Linear(D, D)
