@@ -46,10 +46,13 @@ class Residual:
 
     Attributes:
         shape, dtype, device: of the kept tensor.
-        nbytes: its size (a view counts its own elements).
+        nbytes: its size (a view counts its own elements: views of one storage, listed
+            once each, share their memory; ``print_saved_residuals``' total counts each
+            storage once).
         name: the ``checkpoint_name`` it carries, or None.
-        kind: ``"argument"`` (an input or parameter, kept anyway), ``"saved"`` (kept by the
-            policy) or ``"offloaded"`` (kept in host memory).
+        kind: ``"argument"`` (an input, a parameter or another tensor from outside the
+            block: kept anyway), ``"saved"`` (kept by the policy) or ``"offloaded"`` (kept
+            in host memory).
         source: where it came from, for a person: ``from the argument params['w1']``,
             ``output of aten.mm at model.py:12 (block)``, ``named 'attn' at model.py:20 (block)``.
     """
@@ -78,6 +81,15 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
         f32[16,32] from the argument params['w1']
         f32[8,32] output of aten.mm at model.py:12 (block)
     """
+    return [r for r, _ in _residuals(fun, args, kwargs)]
+
+
+_Storage = tuple[str, int, int]  # device, data pointer, bytes: one storage, as kept
+
+
+def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
+               ) -> list[tuple[Residual, _Storage]]:
+    """``saved_residuals``, each with the storage it keeps alive."""
     if not callable(fun):
         raise TypeError(f"fun must be callable, got {type(fun).__name__}")
     args, kwargs = optree.tree_map(_as_leaf, (args, kwargs), none_is_leaf=True)
@@ -97,7 +109,7 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     modules = _modules(fun, target, leaves)
     outside = _outside_names(target, modules)
-    out: list[Residual] = []
+    out: list[tuple[Residual, _Storage]] = []
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
     for tracer, kind, x, slot, version in report:
         if kind == "argument":
@@ -108,8 +120,10 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
             continue
         seen.add(key)
         name, source = _source(tracer, kind, x, slot, version, outside)
-        out.append(Residual(tuple(x.shape), x.dtype, x.device, x.numel() * x.element_size(),
-                            name, kind, source))
+        storage = x.untyped_storage()
+        out.append((Residual(tuple(x.shape), x.dtype, x.device,
+                             x.numel() * x.element_size(), name, kind, source),
+                    (str(x.device), storage.data_ptr(), storage.nbytes())))
     return out
 
 
@@ -137,22 +151,31 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
         f32[16,64] output of aten.mm at modeling_llama.py:164 (forward)
         total: 3 residuals, 10.0 KiB (4.0 KiB beyond the arguments)
 
-    When the policy offloads, a last line says that under torch.compile those values stay
-    on the device instead.
+    The total is memory: a storage that several listed views share counts once (their
+    lines after the first say so), and whole. When the policy offloads, a last line says
+    that under torch.compile those values stay on the device instead.
     """
-    residuals = saved_residuals(fun, *args, **kwargs)
+    listed = _residuals(fun, args, kwargs)
     for note in budget.take_notes():
         print(note.text)
-    for r in residuals:
-        print(r)
-    total = sum(r.nbytes for r in residuals)
-    extra = sum(r.nbytes for r in residuals if r.kind != "argument")
-    if any(r.kind == "offloaded" for r in residuals):
+    first_line: dict[_Storage, int] = {}  # storage -> the line that listed it first
+    for line, (r, storage) in enumerate(listed, 1):
+        shared = first_line.setdefault(storage, line)
+        print(r if shared == line else f"{r} (same storage as line {shared})")
+    # Memory, not the sum of the lines: a storage kept by several views counts once, and
+    # whole (a view keeps all of its storage alive).
+    total = sum(nbytes for _, _, nbytes in first_line)
+    arguments = {storage for r, storage in listed if r.kind == "argument"}
+    extra = sum(nbytes for storage in first_line if storage not in arguments
+                for nbytes in (storage[2],))
+    if any(r.kind == "offloaded" for r, _ in listed):
         # torch's compiled checkpoint cannot offload (see ckptfx._compile, Rule 4)
         print("offloaded residuals stay in device memory when the block runs inside "
               "torch.compile")
-    print(f"total: {len(residuals)} residuals, {human_bytes(total)} "
-          f"({human_bytes(extra)} beyond the arguments)")
+    n, storages = len(listed), len(first_line)
+    print(f"total: {n} residual{'s' * (n != 1)}"
+          + (f" in {storages} storage{'s' * (storages != 1)}" if storages != n else "")
+          + f", {human_bytes(total)} ({human_bytes(extra)} beyond the arguments)")
 
 
 def _as_leaf(x: Any) -> Any:
@@ -238,8 +261,8 @@ def _source(tracer: Tracer, kind: str, x: torch.Tensor, slot: int, version: int,
         name = outside.get(id(t))
         if name is not None:
             return None, f"from {name}"
-        return None, (f"from a tensor {where} read from outside its arguments (not a "
-                      "parameter or buffer of a module it is a method of or is given)")
+        return None, (f"from a tensor {where} reads from outside: not an argument, a "
+                      "closure variable, or a parameter or buffer of its module (a global?)")
     suffix = " (offloaded to host)" if kind == "offloaded" else ""
     named = tracer.names.get(slot)
     if named is not None:

@@ -156,6 +156,45 @@ def test_print_saved_residuals_one_line_each_and_total(capsys: pytest.CaptureFix
     assert f"f32[4,8] {mm(mlp, 'L_H')}" in lines
 
 
+def test_print_saved_residuals_total_counts_a_storage_once(capsys: pytest.CaptureFixture
+                                                           ) -> None:
+    """Views of one kept value are listed each (each op's backward reads its own), but the
+    total is memory: their storage counts once, and agrees with the byte count the
+    memory-budget planner gives for the same keep-set (dots_saveable here)."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 192, requires_grad=True)
+
+    def qkv(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ w).chunk(3, -1)
+        return (q.sin() * k.cos() * v.tanh()).sum()
+
+    x = torch.randn(32, 64, requires_grad=True)
+    fn = ckptfx.remat(qkv, policy=cp.dots_saveable)
+    residuals = ckptfx.saved_residuals(fn, x)
+    ckptfx.print_saved_residuals(fn, x)
+    lines = capsys.readouterr().out.splitlines()
+    kept = [r for r in residuals if r.kind != "argument"]
+    assert len(kept) > 1 and sum(r.nbytes for r in kept) > 32 * 192 * 4  # views of one
+    mm_line = 1 + next(i for i, r in enumerate(residuals) if r.kind != "argument")
+    assert all(line.endswith(f"(same storage as line {mm_line})")
+               for line in lines[mm_line:-1])
+    # w (48 KiB) and x (8 KiB) are arguments; x @ w is 24 KiB, once
+    assert lines[-1] == (f"total: {len(residuals)} residuals in 3 storages, 80.0 KiB "
+                         "(24.0 KiB beyond the arguments)")
+    planned = ckptfx.remat(qkv, policy=cp.memory_budget(0.5))
+    planned(x)
+    ckptfx.print_saved_residuals(planned, x)
+    out = capsys.readouterr().out
+    assert "dots_saveable keeps 24.0 KiB" in out and out.rstrip().endswith(
+        "(24.0 KiB beyond the arguments)")
+
+
+def test_print_saved_residuals_says_residual_for_one(capsys: pytest.CaptureFixture) -> None:
+    ckptfx.print_saved_residuals(lambda x: x.sin(), torch.randn(3))
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "total: 1 residual, 12 B (0 B beyond the arguments)")
+
+
 @pytest.mark.parametrize("block,make", [(mlp, mlp_args), (attention, attention_args)])
 def test_plain_function_reports_what_autograd_keeps(block: Any, make: Any) -> None:
     p, x = make()
