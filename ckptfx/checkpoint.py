@@ -13,9 +13,10 @@ from . import _compat, _compile
 from ._debug import DebugLogs
 from . import _collectives
 from ._function_replay import rerun_function
-from .frame import NULL_CONTEXT, Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
+from .frame import (NULL_CONTEXT, CheckpointError, Frame, refuse_new_frame_in_scheduled_replay,
+                    unpack_hook)
 from .refill import first_node, plain_saves, scope_on_top
-from .policies import NameCheck, NothingSaveable, check_policy, name_check
+from .policies import NameCheck, NothingSaveable, check_policy, name_check, nothing_saveable
 from .session import collect, uncollect
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
@@ -108,6 +109,12 @@ def checkpoint(
       lowered as a remat'd block is: torch's checkpoint op with a selective-checkpoint
       policy equivalent to ``policy`` (``checkpoint_name`` tags included; values it would
       offload are kept on the device).
+    - Inside a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ``jacrev``, ...),
+      where saved-tensor hooks cannot run and torch's checkpoint fails, a call without
+      ``policy=`` runs as ``policy=checkpoint_policies.nothing_saveable``: remat's
+      torch.func path, which recomputes everything, with the same gradients bit for bit.
+      ``context_fn=`` and ``debug=True`` have no meaning there and raise
+      ``CheckpointError`` (pass a selective-checkpoint policy function as ``policy=``).
     - Under ``torch.compile`` (dynamo tracing this call) it is torch's checkpoint op, with
       random numbers replayed on every backend (see ``ckptfx._compile``); it joins no
       recompute session (a ``CompiledReplayWarning`` says so). To keep sessions, prefire
@@ -169,6 +176,8 @@ def checkpoint(
         check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
                       preserve_rng_state=preserve_rng_state, early_stop=early_stop,
                       policy=policy)
+    if policy is None and _compat.functorch_level() > 0:
+        policy = policy_under_func(context_fn, debug)
     if policy is not None:
         return run_with_policy(function, args, kwargs, policy=policy, early_stop=early_stop)
     if _compat.is_compiling():
@@ -178,6 +187,29 @@ def checkpoint(
     return run_checkpointed(function, args, kwargs, context_fn=context_fn,
                             determinism_check=determinism_check, debug=debug,
                             preserve_rng_state=preserve_rng_state, early_stop=early_stop)
+
+
+def policy_under_func(context_fn: Any, debug: bool) -> Any:
+    """The policy of a checkpoint call without one inside a ``torch.func`` transform, where
+    saved-tensor hooks cannot run (torch's checkpoint fails there): ``nothing_saveable``,
+    which recomputes everything, as the plain checkpoint does, through remat's torch.func
+    path (the same gradients, bitwise). A ``context_fn`` or ``debug=True`` has nothing to
+    run in there: a ``CheckpointError`` says what to pass instead."""
+    if context_fn is not noop_context_fn:
+        raise CheckpointError(
+            "ckptfx.checkpoint with context_fn= was called inside a torch.func transform "
+            "(grad, vjp, vmap, jacrev, ...), where saved-tensor hooks cannot run, so the "
+            "contexts cannot choose what to keep. Pass the selective-checkpoint policy "
+            "function as policy= instead of create_selective_checkpoint_contexts(...), or a "
+            "ckptfx.checkpoint_policies policy"
+        )
+    if debug:
+        raise CheckpointError(
+            "ckptfx.checkpoint(debug=True) was called inside a torch.func transform (grad, "
+            "vjp, vmap, jacrev, ...): there the block is recorded op by op and replayed "
+            "exactly, so there is no re-run to debug. Drop debug=True"
+        )
+    return nothing_saveable
 
 
 def torch_fallback(function: Callable[..., Any], args: tuple[Any, ...],
@@ -307,6 +339,9 @@ class _CheckpointedModule(_MixinBase):
         inner = self._ckptfx_original_class.forward.__get__(self)  # type: ignore[attr-defined]
         options = self._ckptfx_options
         policy = options.get("policy")
+        if policy is None and _compat.functorch_level() > 0:
+            policy = policy_under_func(options.get("context_fn", noop_context_fn),
+                                       options.get("debug", False))
         if policy is not None:
             return run_with_policy(inner, args, kwargs, policy=policy,
                                    early_stop=options.get("early_stop", True),

@@ -477,3 +477,53 @@ def test_jacrev_of_a_block_with_random_ops_is_bitwise(policy) -> None:
         results.append((torch.func.jacrev(lambda x, w: fn(x, w).square(), argnums=(0, 1))(x, w),
                         torch.rand(2)))
     assert_tree_bitwise(results[1], results[0])
+
+
+# -- ckptfx.checkpoint without a policy under torch.func --------------------------------------
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_checkpoint_without_policy_runs_under_torch_func_bitwise(bf16: bool) -> None:
+    """Saved-tensor hooks cannot run inside torch.func transforms, so torch's checkpoint
+    fails there; ckptfx.checkpoint without a policy takes remat's torch.func path with
+    nothing_saveable (it recomputes everything, as the plain checkpoint does): gradients
+    and values bitwise the plain computation's, dropout included."""
+    p, x = mlp_params(), torch.randn(4, 6)
+    ckpt = loss_of(lambda p, x, drop: ckptfx.checkpoint(mlp, p, x, drop), drop=0.3)
+    plain = loss_of(mlp, drop=0.3)
+    results = []
+    for fn in (plain, ckpt):
+        torch.manual_seed(5)
+        with maybe_autocast(bf16):
+            results.append(grad_and_value(fn)(p, x))
+    assert_tree_bitwise(results[1], results[0])
+    torch.manual_seed(5)
+    with pytest.raises(RuntimeError, match="saved tensor hooks"):  # torch's own checkpoint
+        grad(loss_of(lambda p, x, drop: torch.utils.checkpoint.checkpoint(
+            mlp, p, x, drop, use_reentrant=False)))(p, x)
+
+
+def test_checkpoint_wrapper_without_policy_runs_under_functional_call_grad() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, 6)
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x,)).square().sum()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))
+    expected = grad(loss)(params, x), per_sample(params, x[:, None])
+    ckptfx.checkpoint_wrapper(model)
+    assert_tree_bitwise((grad(loss)(params, x), per_sample(params, x[:, None])), expected)
+
+
+def test_checkpoint_options_without_meaning_under_torch_func_say_what_to_pass() -> None:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    p, x = mlp_params(), torch.randn(4, 6)
+    sac = lambda: create_selective_checkpoint_contexts([torch.ops.aten.mm.default])  # noqa: E731
+    with pytest.raises(ckptfx.CheckpointError, match="as policy= instead"):
+        grad(loss_of(lambda p, x, drop: ckptfx.checkpoint(mlp, p, x, context_fn=sac)))(p, x)
+    with pytest.raises(ckptfx.CheckpointError, match="Drop debug=True"):
+        grad(loss_of(lambda p, x, drop: ckptfx.checkpoint(mlp, p, x, debug=True)))(p, x)
