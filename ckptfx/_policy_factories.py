@@ -421,12 +421,49 @@ dots_saveable = DotsSaveable()
 checkpoint_dots = dots_saveable
 dots_with_no_batch_dims_saveable = DotsSaveable(only_if_no_batch_dims=True)
 
-checkpoint_policies = types.SimpleNamespace(
+# jax.checkpoint_policies names ckptfx does not have, and what to use instead.
+_NOT_HERE = {
+    "save_anything_except_these_names": (
+        "a checkpoint_name tags a value after the op that made it was decided, so a policy "
+        "cannot take back a value another rule keeps; keep what you want instead: "
+        "save_only_these_names(...), save_from_both_policies(dots_saveable, "
+        "save_only_these_names(...)), or memory_budget(fraction)"),
+}
+
+
+class _PolicyNamespace(types.SimpleNamespace):
+    """The policies ``ckptfx.remat(policy=...)``, ``ckptfx.checkpoint(policy=...)`` and
+    ``apply_activation_checkpointing(policy=...)`` take, named as in
+    ``jax.checkpoint_policies``: values (``dots_saveable``) and factories
+    (``save_only_these_names("attn")``). A torch selective-checkpoint policy function works
+    wherever a policy does.
+
+    Example::
+
+        from ckptfx import checkpoint_policies as cp
+        block = ckptfx.remat(block, policy=cp.save_only_these_names("attn"))
+    """
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found
+        if name.startswith("__"):
+            raise AttributeError(name)
+        known = ", ".join(n for n in vars(self) if not n.startswith("_"))
+        why = _NOT_HERE.get(name)
+        raise AttributeError(
+            f"ckptfx.checkpoint_policies has no policy {name!r}"
+            + (f" (JAX's: {why})" if why else "")
+            + f". It has: {known}. A torch selective-checkpoint policy function "
+            "(ctx, op, *args, **kwargs) can be passed as policy= directly"
+        )
+
+
+checkpoint_policies = _PolicyNamespace(
     everything_saveable=everything_saveable,
     nothing_saveable=nothing_saveable,
     dots_saveable=dots_saveable,
     checkpoint_dots=checkpoint_dots,
     dots_with_no_batch_dims_saveable=dots_with_no_batch_dims_saveable,
+    checkpoint_dots_with_no_batch_dims=dots_with_no_batch_dims_saveable,  # JAX's alias
     save_only_these_names=save_only_these_names,
     save_any_names_but_these=save_any_names_but_these,
     save_from_both_policies=save_from_both_policies,

@@ -57,9 +57,11 @@ class Offload:
 
     def __post_init__(self) -> None:
         if self.src != "device":
-            raise ValueError(f"offload_src must be 'device', got {self.src!r}")
+            raise ValueError(f"src (offload_src in the policy factories) must be 'device', "
+                             f"got {self.src!r}")
         if self.dst not in ("pinned_host", "cpu"):
-            raise ValueError(f"offload_dst must be 'pinned_host' or 'cpu', got {self.dst!r}")
+            raise ValueError(f"dst (offload_dst in the policy factories) must be "
+                             f"'pinned_host' or 'cpu', got {self.dst!r}")
 
 
 SAVE, RECOMPUTE = True, False

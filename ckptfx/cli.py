@@ -173,6 +173,15 @@ def parse_policy(spec: str) -> Any:
                            else _value(value))
         else:
             args.append(_value(item))
+    if chosen is cp.save_from_both_policies:  # its arguments are policies, named
+        values = [getattr(cp, a, None) if isinstance(a, str) else None for a in args]
+        if kwargs or len(args) != 2 or not all(isinstance(v, Policy) for v in values):
+            raise UsageError(
+                f"--policy: {name} takes two policies without arguments, by name: "
+                f"--policy {name}:dots_saveable,everything_saveable (a factory with its own "
+                f"arguments cannot be nested on the command line: call "
+                f"ckptfx.print_saved_residuals from Python for that); got {arg_text!r}")
+        return chosen(*values)
     sig = inspect.signature(chosen)
     # Shown without annotations: the user writes strings and numbers, not types.
     sig = sig.replace(parameters=[q.replace(annotation=q.empty) for q in sig.parameters.values()],

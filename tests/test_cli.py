@@ -140,6 +140,8 @@ def test_parse_policy_factories_with_arguments() -> None:
                             "names_which_can_be_offloaded=") == (
         cp.save_and_offload_only_these_names(names_which_can_be_saved=["a", "b"],
                                              names_which_can_be_offloaded=[]))
+    assert cli.parse_policy("save_from_both_policies:dots_saveable,everything_saveable") == (
+        cp.save_from_both_policies(cp.dots_saveable, cp.everything_saveable))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -149,7 +151,10 @@ def test_parse_policy_factories_with_arguments() -> None:
      "--policy: save_only_these_names is a factory that needs arguments"),
     (["residuals", "--policy", "dots_saveable:x"], "--policy: dots_saveable takes no arguments"),
     (["residuals", "--policy", "offload_dot_with_no_batch_dims:host"],
-     "refused the arguments 'host': offload_src must be 'device'"),
+     "refused the arguments 'host': src (offload_src in the policy factories) must be "
+     "'device'"),
+    (["residuals", "--policy", "save_from_both_policies:dots_saveable,save_only_these_names"],
+     "--policy: save_from_both_policies takes two policies without arguments, by name"),
     (["residuals", "no_colon", "--shape", "2"], "TARGET expects MODULE:FUNCTION"),
     (["residuals", "no_such_module_xyz:f", "--shape", "2"],
      "TARGET: cannot import module 'no_such_module_xyz'"),

@@ -223,3 +223,15 @@ def test_policies_pickle_under_their_public_path() -> None:
         data = pickle.dumps(p)
         assert b"ckptfx.policies" in data and b"_policy_factories" not in data
         assert pickle.loads(data) == p
+
+
+def test_checkpoint_policies_has_jax_names_and_says_which_it_has() -> None:
+    assert cp.checkpoint_dots is cp.dots_saveable
+    assert cp.checkpoint_dots_with_no_batch_dims is cp.dots_with_no_batch_dims_saveable
+    with pytest.raises(AttributeError, match=r"no policy 'save_everything'. It has: "
+                                             r"everything_saveable, nothing_saveable"):
+        cp.save_everything  # noqa: B018
+    assert "named as in" in (type(cp).__doc__ or "")
+    with pytest.raises(AttributeError, match=r"no policy 'save_anything_except_these_names' "
+                                             r"\(JAX's: a checkpoint_name tags a value after"):
+        cp.save_anything_except_these_names  # noqa: B018
