@@ -168,12 +168,16 @@ class Frontier:
     def explain(self, fraction: float, planned_now: bool, choice: "Point | None" = None
                 ) -> Note:
         p = self.choose(fraction) if choice is None else choice
-        limit = self.budget_bytes(fraction) if choice is None or choice is self.choose(
-            fraction) else p.nbytes
+        # A model-level budget (memory_budget_policies) may give the block more or less than
+        # its even split: its share, the choice, is then the budget it was held to.
+        shared = choice is not None and choice is not self.choose(fraction)
+        limit = p.nbytes if shared else self.budget_bytes(fraction)
+        budget = (f"its share of a model-level budget of {fraction:g}: {human_bytes(limit)}"
+                  if shared else f"budget {human_bytes(limit)}")
         ev, no = self.everything, self.nothing
         lines = [
             f"memory_budget({fraction:g}): keeps {human_bytes(p.nbytes)} of {human_bytes(ev.nbytes)} "
-            f"(everything_saveable; budget {human_bytes(self.budget_bytes(fraction))}), recomputes "
+            f"(everything_saveable; {budget}), recomputes "
             f"{_f(p.flops)} of {_f(no.flops)} FLOPs (nothing_saveable; dots_saveable keeps "
             f"{human_bytes(self.dots.nbytes)} and recomputes {_f(self.dots.flops)}); chosen from "
             f"{len(self.points)} frontier points of {self.candidates} candidates over "

@@ -104,8 +104,12 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
     report = _report(target, options, args, kwargs)
     if any(note.planned_now for note in budget.peek_notes()):
         # A memory budget planned in that call (and kept nothing, budget.py Rule 1): run
-        # again to list what later calls keep.
+        # again to list what later calls keep. The plan is told once: by the planning
+        # call's notes, which say that the list is a later call's.
+        planned = budget.take_notes()
         report = _report(target, options, args, kwargs)
+        budget.take_notes()
+        budget.put_back_notes(planned)
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     modules = _modules(fun, target, leaves)
     outside = _outside_names(target, modules)

@@ -3,6 +3,8 @@ has (checked by measurement on random blocks), planning once per signature, bad 
 
 from __future__ import annotations
 
+import re
+
 import itertools
 import math
 import random
@@ -486,6 +488,7 @@ def test_print_saved_residuals_shows_the_choice(capsys: pytest.CaptureFixture[st
     assert "memory_budget(0.5): keeps" in text and "of everything" not in text
     assert "exact: " in text  # what was proved of the choice
     assert "this call planned" in text  # the first call planned; the list is a later call's
+    assert text.count("memory_budget(0.5): keeps") == 1  # the plan is told once
     assert "output of aten" in text  # the listed residuals are what the plan keeps
     ckptfx.print_saved_residuals(fn, x)
     assert "this call planned" not in capsys.readouterr().out
@@ -565,3 +568,34 @@ def test_a_cached_plan_keeps_no_tensor_alive() -> None:
     del lin
     gc.collect()
     assert ref() is None
+
+
+def test_a_block_of_a_model_budget_reports_its_share_as_its_budget(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Under memory_budget_policies, once every block planned, a block keeps its share of
+    the model's budget, which may exceed its even split: the report names that share as
+    the budget the block was held to (not the even split it exceeds)."""
+    torch.manual_seed(0)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+    layers = torch.nn.ModuleList(Layer() for _ in range(3))
+    policies = budget.memory_budget_policies(layers, 0.3)
+    calls = [ckptfx.remat(layer.forward, policy=p) for layer, p in zip(layers, policies)]
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    for _ in range(2):
+        h = x
+        for call in calls:
+            h = call(h)
+        h.sum().backward()
+    ckptfx.print_saved_residuals(calls[0], x)
+    head = capsys.readouterr().out.splitlines()[0]
+    kept = re.search(r"keeps ([\d.]+ KiB) of", head)
+    assert kept is not None
+    assert f"its share of a model-level budget of 0.3: {kept.group(1)})" in head, head
