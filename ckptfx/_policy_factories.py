@@ -29,7 +29,9 @@ blocks hold a policy): moving a class out of here needs a re-export left behind.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -306,7 +308,38 @@ def _check_policy(p: Any, arg: str) -> Callable[..., Any]:
             f"{arg} must be a checkpoint policy (a ckptfx.checkpoint_policies value or a "
             f"torch selective-checkpoint policy function), got {type(p).__name__}"
         )
+    if not isinstance(p, Policy) and not _takes_ctx_and_op(p):
+        raise TypeError(
+            f"{arg}: a policy function is called as policy(ctx, op, *args, **kwargs), as "
+            f"torch's selective-checkpoint policies are (JAX's policy(prim, *avals, "
+            f"**params) does not carry over); {getattr(p, '__name__', p)!r} cannot take "
+            "(ctx, op)"
+        )
     return p
+
+
+_ARITY_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def _takes_ctx_and_op(fn: Any) -> bool:
+    """Whether ``fn`` can be called with two positional arguments (cached per function:
+    ``checkpoint(policy=...)`` checks its policy on every call). Unknown signatures pass."""
+    try:
+        return _ARITY_OK[fn]
+    except (KeyError, TypeError):  # not seen, or not weakly referenceable
+        pass
+    try:
+        inspect.signature(fn).bind(None, None)
+        ok = True
+    except TypeError:
+        ok = False
+    except ValueError:  # no signature (a builtin): let the call decide
+        ok = True
+    try:
+        _ARITY_OK[fn] = ok
+    except TypeError:
+        pass
+    return ok
 
 
 def save_only_these_names(*names: str) -> Policy:

@@ -176,6 +176,26 @@ def checkpoint(
         check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
                       preserve_rng_state=preserve_rng_state, early_stop=early_stop,
                       policy=policy)
+    if not args and not kwargs:  # a function of no arguments, or checkpoint used as remat
+        try:
+            return _run(function, args, kwargs, context_fn, determinism_check, debug,
+                        preserve_rng_state, early_stop, policy)
+        except TypeError as err:
+            if "required positional argument" in str(err) and hasattr(err, "add_note"):
+                err.add_note(
+                    "ckptfx.checkpoint(function, *args) calls function(*args) now, as torch's "
+                    "checkpoint does, and none were given. To make a checkpointed function "
+                    "to call later (jax.checkpoint's way, or as a decorator), use "
+                    "ckptfx.remat(function, policy=...) or @ckptfx.remat(policy=...)")
+            raise
+    return _run(function, args, kwargs, context_fn, determinism_check, debug,
+                preserve_rng_state, early_stop, policy)
+
+
+def _run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+         context_fn: Any, determinism_check: str, debug: bool, preserve_rng_state: bool,
+         early_stop: bool, policy: Any) -> Any:
+    """``checkpoint``'s call, options checked: by policy, under compile, or plain."""
     if policy is None and _compat.functorch_level() > 0:
         policy = policy_under_func(context_fn, debug)
     if policy is not None:

@@ -598,10 +598,14 @@ def grad_split(
             outs = split.outputs
             if len(outs) != 1 or split.out_treedef.num_leaves != 1 or outs[0].numel() != 1:
                 split.release()
+                pair = (not has_aux and isinstance(split.out, (tuple, list))
+                        and len(split.out) == 2)
                 raise TypeError(
                     "grad_split: fun must return a scalar tensor that requires grad"
                     + (" as the first element of (value, aux)" if has_aux else "")
                     + f", got {split.out!r}"
+                    + ("; it returned a pair: if the second element is auxiliary data, pass "
+                       "has_aux=True" if pair else "")
                 )
             dx = split.dx(torch.ones_like(split.out))
         except BaseException:

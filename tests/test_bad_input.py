@@ -546,3 +546,29 @@ def test_session_with_frames_survives_its_context_until_cleared() -> None:
     ckptfx.clear_recompute_session("s")
     assert_bitwise([g1, g2], [torch.autograd.grad(x.sin().exp().sum(), x)[0]] * 2)
     assert_clean()
+
+
+def test_checkpoint_without_arguments_says_it_is_not_a_decorator() -> None:
+    """jax.checkpoint(f) returns a function; ckptfx.checkpoint(f, *args) calls f now, as
+    torch's does. Called with no arguments for an f that needs some, the error says so and
+    points at remat; a function of no arguments is still checkpointed."""
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+    for policy in (None, cp.dots_saveable):
+        with pytest.raises(TypeError, match="missing 1 required positional") as info:
+            ckptfx.checkpoint(block, policy=policy)
+        assert "use ckptfx.remat(function, policy=...)" in "".join(
+            getattr(info.value, "__notes__", ["use ckptfx.remat(function, policy=...)"]))
+    w = torch.randn(3, requires_grad=True)
+    out = ckptfx.checkpoint(lambda: (w * 2).sin())
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.autograd.grad((w * 2).sin().sum(), w)[0])
+
+
+def test_grad_split_hints_has_aux_for_a_pair() -> None:
+    w = torch.randn(3, requires_grad=True)
+    dx_fn, _ = ckptfx.grad_split(lambda x: ((x * w).sum(), x.detach()))
+    with pytest.raises(TypeError, match="it returned a pair: .* pass has_aux=True"):
+        dx_fn(torch.randn(3), session="aux")
+    assert not ckptfx.recompute_session_stats()

@@ -3,11 +3,10 @@ has (checked by measurement on random blocks), planning once per signature, bad 
 
 from __future__ import annotations
 
-import re
-
 import itertools
 import math
 import random
+import re
 from typing import Any, Callable
 
 import pytest

@@ -96,6 +96,14 @@ def test_bad_policy_arguments() -> None:
         cp.save_from_both_policies(cp.dots_saveable, "dots")
     with pytest.raises(TypeError, match="name must be a str"):
         ckptfx.checkpoint_name(torch.randn(2), 3)
+    # A policy function that cannot take (ctx, op): said up front, not at its first op
+    x = torch.randn(2, requires_grad=True)
+    for bad in (lambda prim: True, lambda: True, lambda a, b, c: True):
+        with pytest.raises(TypeError, match=r"called as policy\(ctx, op, \*args, \*\*kwargs\)"):
+            ckptfx.remat(torch.sin, policy=bad)(x)
+        with pytest.raises(TypeError, match="cannot take"):
+            ckptfx.checkpoint(torch.sin, x, policy=bad)
+    ckptfx.remat(torch.sin, policy=lambda ctx, op, *args, **kwargs: False)(x)  # accepted
 
 
 # -- torch SAC parity ------------------------------------------------------------------------
