@@ -130,6 +130,8 @@ class PipelineStage(_tpp.PipelineStage):
     # -- F ------------------------------------------------------------------------------------
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        """torch's forward of one micro-batch, noting the checkpointed blocks it ran (their
+        handles), so that its backward can replay each of them once."""
         with recompute_handle_collector_ctx() as handles:
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if handles:
@@ -147,6 +149,9 @@ class PipelineStage(_tpp.PipelineStage):
         full_backward: bool = True,
         last_backward: bool = False,
     ) -> None:
+        """torch's input-gradient step (I) of one micro-batch, or its full backward. For a
+        split step over checkpointed blocks, the blocks are prefired for the micro-batch's
+        session and I reads their replay, retained for the weight step (W) that follows."""
         handles = self._ckptfx_handles.pop(bwd_chunk_id, None)
         if (
             full_backward
@@ -192,6 +197,8 @@ class PipelineStage(_tpp.PipelineStage):
     # -- W ------------------------------------------------------------------------------------
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """torch's weight-gradient step (W) of one micro-batch, reading the replay its I step
+        made (no second replay), then clearing the micro-batch's session."""
         sid = self.session_id(bwd_chunk_id)
         if sid not in self._ckptfx_live:
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)

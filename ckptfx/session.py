@@ -150,6 +150,7 @@ class RecomputeHandle:
 
     @property
     def frame(self) -> Frame | None:
+        """The checkpointed call's kernel frame, or None once its graph was freed."""
         ref = getattr(self, "_frame", None)  # None for a handle made without __init__
         return None if ref is None else ref()
 
