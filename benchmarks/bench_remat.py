@@ -28,13 +28,12 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
+from ckptfx.bench.overhead import Block  # the pre-norm transformer block, no dropout
 from _memory import MMAP_ENV, MMAP_VALUE, peak_above_start, small_mmap_threshold
 
 aten = torch.ops.aten
@@ -43,24 +42,6 @@ DOTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.defa
 
 def sac_dots(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in DOTS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(
-            2, 0, 3, 1, 4).reshape(3, b * self.heads, t, d // self.heads)
-        a = torch.softmax(torch.bmm(q, k.transpose(1, 2)) / (d // self.heads) ** 0.5, -1)
-        o = torch.bmm(a, v).view(b, self.heads, t, -1).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(o)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 def variants(block: Block) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:

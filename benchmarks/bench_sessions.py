@@ -38,6 +38,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 
 import ckptfx
+from ckptfx.bench.overhead_split import split_backward
 
 
 class MLPBlock(nn.Module):
@@ -52,23 +53,6 @@ class MLPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls[0] += 1
         return x + self.fc2(F.gelu(self.fc1(x)))
-
-
-def split_backward(out: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor],
-                   g: torch.Tensor, session: object | None) -> None:
-    """dx, then one dw call per parameter; under ``session`` if given."""
-    if session is None:
-        torch.autograd.grad(out, x, g, retain_graph=True)
-        for p in params[:-1]:
-            torch.autograd.grad(out, p, g, retain_graph=True)
-        torch.autograd.grad(out, params[-1], g)
-        return
-    with ckptfx.recompute_session_ctx(session, retain_on_unpack=True):
-        torch.autograd.grad(out, x, g, retain_graph=True)
-        for p in params[:-1]:
-            torch.autograd.grad(out, p, g, retain_graph=True)
-    with ckptfx.recompute_session_ctx(session, retain_on_unpack=False):
-        torch.autograd.grad(out, params[-1], g)
 
 
 def make_step(variant: str, blocks: list[MLPBlock], x: torch.Tensor,

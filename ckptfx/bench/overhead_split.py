@@ -29,7 +29,7 @@ except ImportError:
     resource = None  # type: ignore[assignment]
 
 __all__ = ["KEEP_FREED_MEMORY", "bench_split", "bench_vjp256",
-           "bench_vjp256_keeping_freed_memory", "split_variants"]
+           "bench_vjp256_keeping_freed_memory", "split_backward", "split_variants"]
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -70,9 +70,10 @@ def _run_to_last_pack(block: nn.Module, x: torch.Tensor, saves: int) -> None:
             pass
 
 
-def _split_backward(out: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor],
+def split_backward(out: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor],
                     g: torch.Tensor, session: Any) -> None:
-    """dx, then one dw call per parameter (bench_sessions.py's split step)."""
+    """dx, then one dw call per parameter; under ``session`` if given (the split step of
+    this bench and of ``benchmarks/bench_sessions.py``)."""
     if session is None:
         torch.autograd.grad(out, x, g, retain_graph=True)
         for p in params[:-1]:
@@ -110,7 +111,7 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
         return h
 
     def none() -> None:
-        _split_backward(plain(x), x, params, g, None)
+        split_backward(plain(x), x, params, g, None)
 
     def sessions() -> None:
         with ckptfx.recompute_handle_collector_ctx() as handles:
@@ -118,7 +119,7 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
         try:
             for hd in handles:
                 ckptfx.recompute_handle(hd, "mb")
-            _split_backward(h, x, params, g, "mb")
+            split_backward(h, x, params, g, "mb")
         finally:
             ckptfx.clear_recompute_session("mb")
 
@@ -162,7 +163,7 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
         return out
 
     def hook_floor() -> None:
-        _split_backward(floor_forward(), x, params, g, None)
+        split_backward(floor_forward(), x, params, g, None)
 
     def split_floor() -> None:
         # The least a checkpointed split with one replay per block costs here: the hook
