@@ -193,6 +193,12 @@ def any_node(tensors: Sequence[torch.Tensor], pred: Callable[[Any], bool]) -> bo
     return False
 
 
+# False inside torch.func's grad, vjp and jacrev (they refuse saved-tensor hooks); True
+# under plain autograd, vmap, jvp and functionalize.
+saved_tensors_hooks_enabled: Callable[[], bool] = _require(
+    torch._C._autograd, "_saved_tensors_hooks_is_enabled")
+
+
 def functorch_level() -> int:
     """Nesting depth of active torch.func transforms (0 under plain autograd)."""
     level = torch._C._functorch.maybe_current_level()

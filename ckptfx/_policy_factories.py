@@ -29,6 +29,7 @@ blocks hold a policy): moving a class out of here needs a re-export left behind.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 import weakref
@@ -322,23 +323,27 @@ _ARITY_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 def _takes_ctx_and_op(fn: Any) -> bool:
-    """Whether ``fn`` can be called with two positional arguments (cached per function:
-    ``checkpoint(policy=...)`` checks its policy on every call). Unknown signatures pass."""
+    """Whether ``fn`` can be called with two positional arguments. Cached per function, or
+    per class for a callable object (``checkpoint(policy=...)`` checks its policy on every
+    call). A signature that cannot be read passes: the call decides."""
+    owner: Any = fn if isinstance(fn, (types.FunctionType, types.MethodType)) else type(fn)
+    if isinstance(fn, functools.partial):
+        owner = None  # a partial's arguments are its own: not cached
+    if owner is not None:
+        cached = _ARITY_OK.get(owner)
+        if cached is not None:
+            return cached
     try:
-        return _ARITY_OK[fn]
-    except (KeyError, TypeError):  # not seen, or not weakly referenceable
-        pass
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin, an odd callable)
+        return True
     try:
-        inspect.signature(fn).bind(None, None)
+        sig.bind(None, None)
         ok = True
     except TypeError:
         ok = False
-    except ValueError:  # no signature (a builtin): let the call decide
-        ok = True
-    try:
-        _ARITY_OK[fn] = ok
-    except TypeError:
-        pass
+    if owner is not None:
+        _ARITY_OK[owner] = ok
     return ok
 
 

@@ -3,6 +3,7 @@ on ckptfx's own kernel (frame.py), so that sessions and prefire work for it."""
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar
 
 import torch
@@ -109,12 +110,13 @@ def checkpoint(
       lowered as a remat'd block is: torch's checkpoint op with a selective-checkpoint
       policy equivalent to ``policy`` (``checkpoint_name`` tags included; values it would
       offload are kept on the device).
-    - Inside a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ``jacrev``, ...),
-      where saved-tensor hooks cannot run and torch's checkpoint fails, a call without
+    - Inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, where saved-tensor
+      hooks cannot run and torch's checkpoint fails, and ``vmap``/``jvp``), a call without
       ``policy=`` runs as ``policy=checkpoint_policies.nothing_saveable``: remat's
       torch.func path, which recomputes everything, with the same gradients bit for bit.
-      ``context_fn=`` and ``debug=True`` have no meaning there and raise
-      ``CheckpointError`` (pass a selective-checkpoint policy function as ``policy=``).
+      Under ``grad``/``vjp``/``jacrev``, ``context_fn=`` and ``debug=True`` have nothing to
+      run in and raise ``CheckpointError`` (pass a selective-checkpoint policy function as
+      ``policy=``); under ``vmap``/``jvp`` they run as a plain checkpoint.
     - Under ``torch.compile`` (dynamo tracing this call) it is torch's checkpoint op, with
       random numbers replayed on every backend (see ``ckptfx._compile``); it joins no
       recompute session (a ``CompiledReplayWarning`` says so). To keep sessions, prefire
@@ -181,7 +183,8 @@ def checkpoint(
             return _run(function, args, kwargs, context_fn, determinism_check, debug,
                         preserve_rng_state, early_stop, policy)
         except TypeError as err:
-            if "required positional argument" in str(err) and hasattr(err, "add_note"):
+            if (hasattr(err, "add_note") and "required positional argument" in str(err)
+                    and not _callable_without_arguments(function)):
                 err.add_note(
                     "ckptfx.checkpoint(function, *args) calls function(*args) now, as torch's "
                     "checkpoint does, and none were given. To make a checkpointed function "
@@ -190,6 +193,16 @@ def checkpoint(
             raise
     return _run(function, args, kwargs, context_fn, determinism_check, debug,
                 preserve_rng_state, early_stop, policy)
+
+
+def _callable_without_arguments(function: Callable[..., Any]) -> bool:
+    try:
+        inspect.signature(function).bind()
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read
+        return True
+    return True
 
 
 def _run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -210,26 +223,33 @@ def _run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def policy_under_func(context_fn: Any, debug: bool) -> Any:
-    """The policy of a checkpoint call without one inside a ``torch.func`` transform, where
-    saved-tensor hooks cannot run (torch's checkpoint fails there): ``nothing_saveable``,
-    which recomputes everything, as the plain checkpoint does, through remat's torch.func
-    path (the same gradients, bitwise). A ``context_fn`` or ``debug=True`` has nothing to
-    run in there: a ``CheckpointError`` says what to pass instead."""
+    """The policy of a checkpoint call without one inside a ``torch.func`` transform, or
+    None to run it as a plain checkpoint. Where saved-tensor hooks are off (``grad``,
+    ``vjp``, ``jacrev``: torch's checkpoint fails there) and also under ``vmap``/``jvp``
+    with autograd outside them, a call with no options runs as ``nothing_saveable``, which
+    recomputes everything, as the plain checkpoint does, through remat's torch.func path
+    (the same gradients, bitwise). With a ``context_fn`` or ``debug=True`` the plain
+    checkpoint runs where the hooks are on, and a ``CheckpointError`` says what to pass
+    where they are off. Without grad the function just runs: no policy needed."""
+    if not torch.is_grad_enabled():
+        return None
+    if context_fn is noop_context_fn and not debug:
+        return nothing_saveable
+    if _compat.saved_tensors_hooks_enabled():
+        return None
     if context_fn is not noop_context_fn:
         raise CheckpointError(
             "ckptfx.checkpoint with context_fn= was called inside a torch.func transform "
-            "(grad, vjp, vmap, jacrev, ...), where saved-tensor hooks cannot run, so the "
-            "contexts cannot choose what to keep. Pass the selective-checkpoint policy "
-            "function as policy= instead of create_selective_checkpoint_contexts(...), or a "
+            "(grad, vjp, jacrev, ...) that refuses saved-tensor hooks, so the contexts "
+            "cannot choose what to keep. Pass the selective-checkpoint policy function as "
+            "policy= instead of create_selective_checkpoint_contexts(...), or a "
             "ckptfx.checkpoint_policies policy"
         )
-    if debug:
-        raise CheckpointError(
-            "ckptfx.checkpoint(debug=True) was called inside a torch.func transform (grad, "
-            "vjp, vmap, jacrev, ...): there the block is recorded op by op and replayed "
-            "exactly, so there is no re-run to debug. Drop debug=True"
-        )
-    return nothing_saveable
+    raise CheckpointError(
+        "ckptfx.checkpoint(debug=True) was called inside a torch.func transform (grad, vjp, "
+        "jacrev, ...): there the block is recorded op by op and replayed exactly, so there "
+        "is no re-run to debug. Drop debug=True"
+    )
 
 
 def torch_fallback(function: Callable[..., Any], args: tuple[Any, ...],

@@ -39,6 +39,7 @@ from ._policy_factories import (
     SaveAnyNamesButThese,
     SaveFromBothPolicies,
     SaveOnlyTheseNames,
+    _PolicyNamespace,
     _check_policy,
     _factory_call,
     checkpoint_dots,
@@ -69,7 +70,7 @@ from ._policy_protocol import (
 # that moving a class between the private modules never breaks a saved model.
 for _cls in (Offload, Policy, DotsSaveable, EverythingSaveable, NothingSaveable,
              OffloadDotWithNoBatchDims, SaveAndOffloadOnlyTheseNames, SaveAnyNamesButThese,
-             SaveFromBothPolicies, SaveOnlyTheseNames):
+             SaveFromBothPolicies, SaveOnlyTheseNames, _PolicyNamespace):
     _cls.__module__ = __name__
 del _cls
 

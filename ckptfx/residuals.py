@@ -84,7 +84,9 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
     return [r for r, _ in _residuals(fun, args, kwargs)]
 
 
-_Storage = tuple[str, int, int]  # device, data pointer, bytes: one storage, as kept
+# One storage as kept: ("storage", its identity, its bytes); an offloaded residual's host
+# copy holds its own elements only and shares nothing: ("offloaded", line, its bytes).
+_Storage = tuple[str, int, int]
 
 
 def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
@@ -114,20 +116,24 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
     modules = _modules(fun, target, leaves)
     outside = _outside_names(target, modules)
     out: list[tuple[Residual, _Storage]] = []
-    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
     for tracer, kind, x, slot, version in report:
         if kind == "argument":
             x = _root_tensor(tracer, slot, x)
-        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape),
-               tuple(x.stride()))
+        storage = x.untyped_storage()
+        # By the storage's identity, not its address: zero-size and meta storages all sit
+        # at address 0.
+        key = (storage._cdata, x.storage_offset(), tuple(x.shape), tuple(x.stride()),
+               x.dtype)
         if key in seen:
             continue
         seen.add(key)
         name, source = _source(tracer, kind, x, slot, version, outside)
-        storage = x.untyped_storage()
-        out.append((Residual(tuple(x.shape), x.dtype, x.device,
-                             x.numel() * x.element_size(), name, kind, source),
-                    (str(x.device), storage.data_ptr(), storage.nbytes())))
+        nbytes = x.numel() * x.element_size()
+        held: _Storage = (("offloaded", len(out), nbytes) if kind == "offloaded"
+                          else ("storage", storage._cdata, storage.nbytes()))
+        out.append((Residual(tuple(x.shape), x.dtype, x.device, nbytes, name, kind, source),
+                    held))
     return out
 
 
@@ -156,7 +162,8 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
         total: 3 residuals, 10.0 KiB (4.0 KiB beyond the arguments)
 
     The total is memory: a storage that several listed views share counts once (their
-    lines after the first say so), and whole. When the policy offloads, a last line says
+    lines after the first say so), and whole, but for an argument's, which counts what is
+    listed of it. When the policy offloads, a last line says
     that under torch.compile those values stay on the device instead.
     """
     listed = _residuals(fun, args, kwargs)
@@ -166,12 +173,18 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
     for line, (r, storage) in enumerate(listed, 1):
         shared = first_line.setdefault(storage, line)
         print(r if shared == line else f"{r} (same storage as line {shared})")
-    # Memory, not the sum of the lines: a storage kept by several views counts once, and
-    # whole (a view keeps all of its storage alive).
-    total = sum(nbytes for _, _, nbytes in first_line)
+    # Memory, not the sum of the lines: a storage the block's residuals keep counts once,
+    # and whole (a view keeps all of its storage alive). An argument's storage is the
+    # caller's, kept anyway, and may be far bigger than what the block reads of it (a
+    # slice, one parameter of a flat buffer): it counts what is listed of it.
     arguments = {storage for r, storage in listed if r.kind == "argument"}
-    extra = sum(nbytes for storage in first_line if storage not in arguments
-                for nbytes in (storage[2],))
+    total = extra = 0
+    for storage in first_line:
+        if storage in arguments:
+            total += min(storage[2], sum(r.nbytes for r, s in listed if s == storage))
+        else:
+            total += storage[2]
+            extra += storage[2]
     if any(r.kind == "offloaded" for r, _ in listed):
         # torch's compiled checkpoint cannot offload (see ckptfx._compile, Rule 4)
         print("offloaded residuals stay in device memory when the block runs inside "
@@ -265,7 +278,7 @@ def _source(tracer: Tracer, kind: str, x: torch.Tensor, slot: int, version: int,
         name = outside.get(id(t))
         if name is not None:
             return None, f"from {name}"
-        return None, (f"from a tensor {where} reads from outside: not an argument, a "
+        return None, (f"from a tensor that {where} reads from outside: not an argument, a "
                       "closure variable, or a parameter or buffer of its module (a global?)")
     suffix = " (offloaded to host)" if kind == "offloaded" else ""
     named = tracer.names.get(slot)

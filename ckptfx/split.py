@@ -156,7 +156,6 @@ class _Split:
         # Set by _note_clear: the user cleared this split's key before any of its blocks
         # joined the session (nothing there for Session.cleared to say so).
         self.cleared_early = False
-        self.clearing = False  # this split clears its own session (not the user)
         self.session_obj: Any = None
         self.dp: _distributed.DataParallel | None = None
 
@@ -165,7 +164,7 @@ class _Split:
 
         with _inflight_lock:
             other = _inflight.get(session)
-            if other is not None and other.state != "done":
+            if other is not None and other.state != "done" and not other.abandoned():
                 raise ValueError(
                     f"{who}: session {session!r} is already used by a split whose dw_fn has not "
                     "run; use one session key per micro-batch (and stage)"
@@ -225,7 +224,7 @@ class _Split:
         """Drop everything (Rule 5); idempotent."""
         self.state = "done"
         try:
-            clear_recompute_session(self.key)
+            self._clear_own_session()
             dp = getattr(self, "dp", None)
             if dp is not None:
                 dp.abandon()  # after a reduce() this does nothing
@@ -243,9 +242,28 @@ class _Split:
             self.session_obj = None
             self._forget()
 
-    def _check_not_cleared(self) -> None:
+    def _clear_own_session(self) -> None:
+        """Clear this split's session as the split itself: ``_note_clear`` ignores it, for
+        this split and for a new split that already took the same key on another thread.
+        A split abandoned by the user whose key a new split has taken clears nothing: the
+        session is the new split's now."""
+        with _inflight_lock:
+            owner = _inflight.get(self.key)
+        if owner is not None and owner is not self:
+            return
+        _own_clear.key = self.key
+        try:
+            clear_recompute_session(self.key)
+        finally:
+            _own_clear.key = _NO_KEY
+
+    def abandoned(self) -> bool:
+        """Cleared by the user before it finished (its key is free for a new split)."""
         obj = self.session_obj
-        if self.cleared_early or (obj is not None and obj.cleared):
+        return self.cleared_early or (obj is not None and obj.cleared)
+
+    def _check_not_cleared(self) -> None:
+        if self.abandoned():
             self.release()
             raise CheckpointError(
                 f"{self.who}: session {self.key!r} was cleared (clear_recompute_session) before "
@@ -276,11 +294,7 @@ class _Split:
                 (recompute_handle if replay else register_handle)(h, self.key)
         except BaseException:
             # Leave nothing half-replayed: a retry starts from a clean session.
-            self.clearing = True
-            try:
-                clear_recompute_session(self.key)
-            finally:
-                self.clearing = False
+            self._clear_own_session()
             raise
         for h in self.handles:
             frame = h.frame
@@ -377,6 +391,8 @@ class _Split:
 
     def dw(self) -> Any:
         with self.lock:
+            if self.state == "forward":
+                self._check_not_cleared()  # abandoned before dx: say so, not "call dx"
             if self.state != "dx_done":
                 raise CheckpointError(self._order_error("dw_fn"))
             self.state = "dw"
@@ -410,14 +426,26 @@ class _Split:
                 "was cleared, which releases it); make a new split")
 
 
+_NO_KEY = object()
+
+
+class _OwnClear(threading.local):
+    key: Any = _NO_KEY  # the key a split on this thread is clearing itself
+
+
+_own_clear = _OwnClear()
+
+
 def _note_clear(session_id: Hashable) -> None:
     """``session.on_clear``: the user cleared the key of a split none of whose blocks has
     joined the session yet (made, not prefired, dx not run): it is abandoned all the same
-    (Rule 6), and its next call says so and releases it."""
+    (Rule 6), and its next call says so and releases it. A split's own clears (a release,
+    a failed prefire) are not the user's."""
+    if _own_clear.key is not _NO_KEY and _own_clear.key == session_id:
+        return
     with _inflight_lock:
         split = _inflight.get(session_id)
-    if (split is not None and split.state == "forward" and split.session_obj is None
-            and not split.clearing):
+    if split is not None and split.state == "forward" and split.session_obj is None:
         split.cleared_early = True
 
 

@@ -527,3 +527,29 @@ def test_checkpoint_options_without_meaning_under_torch_func_say_what_to_pass() 
         grad(loss_of(lambda p, x, drop: ckptfx.checkpoint(mlp, p, x, context_fn=sac)))(p, x)
     with pytest.raises(ckptfx.CheckpointError, match="Drop debug=True"):
         grad(loss_of(lambda p, x, drop: ckptfx.checkpoint(mlp, p, x, debug=True)))(p, x)
+
+
+def test_checkpoint_options_run_as_a_plain_checkpoint_where_saved_tensor_hooks_are_on() -> None:
+    """vmap and jvp leave saved-tensor hooks on, and without grad nothing is saved: there a
+    context_fn or debug=True checkpoint runs as it always did (no CheckpointError)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    blk = nn.Linear(4, 4)
+    sac = lambda: create_selective_checkpoint_contexts([torch.ops.aten.mm.default])  # noqa: E731
+    x = torch.randn(3, 4)
+    for options in ({"context_fn": sac}, {"debug": True}):
+        for grad_mode in (torch.no_grad, torch.enable_grad):
+            with grad_mode():
+                out = vmap(lambda v: ckptfx.checkpoint(blk, v, **options))(x)
+            assert torch.equal(out, vmap(blk)(x))
+    p = mlp_params()
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # inside grad, but no grad: the function just runs
+            h = ckptfx.checkpoint(mlp, p, x, context_fn=sac)
+        return (mlp(p, x) * h).sum()
+
+    x6 = torch.randn(3, 6)
+    assert_tree_bitwise(grad(loss)(p, x6),
+                        grad(lambda p, x: (mlp(p, x) * mlp(p, x).detach()).sum())(p, x6))

@@ -104,6 +104,17 @@ def test_bad_policy_arguments() -> None:
         with pytest.raises(TypeError, match="cannot take"):
             ckptfx.checkpoint(torch.sin, x, policy=bad)
     ckptfx.remat(torch.sin, policy=lambda ctx, op, *args, **kwargs: False)(x)  # accepted
+    import dataclasses
+    import functools
+
+    @dataclasses.dataclass(frozen=True, slots=True)  # no weakref: checked per class
+    class Keep:
+        def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+            return False
+
+    ckptfx.checkpoint(torch.sin, x, policy=Keep())
+    ckptfx.checkpoint(torch.sin, x, policy=functools.partial(
+        lambda ctx, op, *args, flag=1, **kwargs: False, flag=2))
 
 
 # -- torch SAC parity ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
+from ckptfx.policies import checkpoint_name
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -187,6 +188,36 @@ def test_print_saved_residuals_total_counts_a_storage_once(capsys: pytest.Captur
     out = capsys.readouterr().out
     assert "dots_saveable keeps 24.0 KiB" in out and out.rstrip().endswith(
         "(24.0 KiB beyond the arguments)")
+
+
+def test_print_saved_residuals_total_edge_cases(capsys: pytest.CaptureFixture) -> None:
+    """An argument that slices a big tensor counts what the block reads of it, not the big
+    storage; zero-size arguments are separate storages (all sit at address 0); an
+    offloaded residual's host copy shares no storage with a kept view of the same value."""
+    big = torch.randn(512, 512)
+    ckptfx.print_saved_residuals(lambda x: x.sin(), big[:2, :4])
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "total: 1 residual, 32 B (0 B beyond the arguments)")
+
+    ckptfx.print_saved_residuals(lambda a, b: (a.sin().sum() + b.cos().sum()),
+                                 torch.randn(0, 4), torch.randn(0, 5))
+    out = capsys.readouterr().out
+    assert "same storage" not in out and "storages" not in out
+
+    w = torch.randn(64, 192, requires_grad=True)
+
+    def qkv(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ w).chunk(3, -1)
+        q, k = checkpoint_name(q, "q"), checkpoint_name(k, "k")
+        return (q.sin() * k.cos() * v.tanh()).sum()
+
+    policy = cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=["q"], names_which_can_be_offloaded=["k"], offload_dst="cpu")
+    ckptfx.print_saved_residuals(ckptfx.remat(qkv, policy=policy),
+                                 torch.randn(32, 64, requires_grad=True))
+    lines = capsys.readouterr().out.splitlines()
+    (offloaded,) = [line for line in lines if "offloaded" in line and "named 'k'" in line]
+    assert "same storage" not in offloaded
 
 
 def test_print_saved_residuals_says_residual_for_one(capsys: pytest.CaptureFixture) -> None:

@@ -450,7 +450,7 @@ def test_clear_abandons_the_split() -> None:
         dw_fn()
 
 
-@pytest.mark.parametrize("first_call", ["dx_fn", "prefire"])
+@pytest.mark.parametrize("first_call", ["dx_fn", "prefire", "dw_fn"])
 def test_clear_before_any_block_joined_the_session_abandons_the_split(first_call: str) -> None:
     """Cleared right after the split was made (nothing prefired, dx not run: no block is in
     the session yet), the split is abandoned as the docstring says: the next call raises,
@@ -462,8 +462,11 @@ def test_clear_before_any_block_joined_the_session_abandons_the_split(first_call
     out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params, session="early")
     frames = [weakref.ref(h.frame) for h in dx_fn._split.handles]
     ckptfx.clear_recompute_session("early")
-    with pytest.raises(ckptfx.CheckpointError, match="'early' was cleared"):
-        dx_fn(g) if first_call == "dx_fn" else dx_fn.prefire()
+    if first_call == "dw_fn":
+        with pytest.raises(ckptfx.CheckpointError, match="'early' was cleared"):
+            dw_fn()  # not "call dx_fn first": the split is gone
+    with pytest.raises(ckptfx.CheckpointError, match="'early' was cleared|consumed"):
+        dx_fn(g) if first_call != "prefire" else dx_fn.prefire()
     with pytest.raises(ckptfx.CheckpointError, match="consumed"):
         dw_fn()
     gc.collect()
@@ -474,6 +477,28 @@ def test_clear_before_any_block_joined_the_session_abandons_the_split(first_call
     dx_fn(g)
     dw_fn()
     assert all(p.grad is not None for p in params)
+
+
+def test_an_abandoned_split_frees_its_key_and_leaves_the_next_split_alone() -> None:
+    """Cleared by the user, a split no longer holds its key, even while its functions are
+    still referenced: a new split takes the key, and calling the old split afterwards
+    (which raises and releases it) clears nothing of the new one's session."""
+    stack = make_stack(n=2)
+    x, g = inputs()
+    params = list(stack.parameters())
+    expected = reference(stack, x, g, False)[1:]  # the parameters' gradients (seed 7)
+    _, old_dx, old_dw = ckptfx.vjp_split(stack, x, params=params, session="reuse")
+    ckptfx.clear_recompute_session("reuse")
+    torch.manual_seed(7)
+    _, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params, session="reuse")
+    dx_fn.prefire()  # the new split's blocks join the session
+    with pytest.raises(ckptfx.CheckpointError, match="'reuse' was cleared"):
+        old_dx(g)
+    assert ckptfx.recompute_session_stats()["reuse"].replayed == 2  # the new replays stay
+    dx_fn(g)
+    dw_fn()
+    assert_bitwise([p.grad for p in params], expected)
+    assert not ckptfx.recompute_session_stats()
 
 
 def test_dw_that_raises_still_releases_everything() -> None:
