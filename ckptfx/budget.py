@@ -298,16 +298,6 @@ def take_notes() -> list[Note]:
     return items
 
 
-def put_back_notes(notes: list[Note]) -> None:
-    """Make ``notes`` (from ``take_notes``) the next ones ``take_notes`` returns, first."""
-    _notes.items[:0] = notes
-
-
-def peek_notes() -> list[Note]:
-    """The budget notes made on this thread since the last ``take_notes``."""
-    return list(_notes.items)
-
-
 class _PlanCursor:
     """The per-op policy of a planned call: keep the outputs of the chosen ops, by position
     in the recording; from an op that differs from the plan's, recompute (Rule 4)."""

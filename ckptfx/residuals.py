@@ -81,7 +81,7 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
         f32[16,32] from the argument params['w1']
         f32[8,32] output of aten.mm at model.py:12 (block)
     """
-    return [r for r, _ in _residuals(fun, args, kwargs)]
+    return [r for r, _ in _residuals(fun, args, kwargs)[0]]
 
 
 # One storage as kept: ("storage", its identity, its bytes); an offloaded residual's host
@@ -90,8 +90,9 @@ _Storage = tuple[str, int, int]
 
 
 def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
-               ) -> list[tuple[Residual, _Storage]]:
-    """``saved_residuals``, each with the storage it keeps alive."""
+               ) -> tuple[list[tuple[Residual, _Storage]], list[budget.Note]]:
+    """``saved_residuals``, each with the storage it keeps alive, and the memory-budget
+    notes of the call they are listed from (what a budget chose, and why)."""
     if not callable(fun):
         raise TypeError(f"fun must be callable, got {type(fun).__name__}")
     args, kwargs = optree.tree_map(_as_leaf, (args, kwargs), none_is_leaf=True)
@@ -104,14 +105,13 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
     target, options = inner
     budget.take_notes()  # notes of earlier calls are not this report's
     report = _report(target, options, args, kwargs)
-    if any(note.planned_now for note in budget.peek_notes()):
+    notes = budget.take_notes()
+    if any(note.planned_now for note in notes):
         # A memory budget planned in that call (and kept nothing, budget.py Rule 1): run
         # again to list what later calls keep. The plan is told once: by the planning
         # call's notes, which say that the list is a later call's.
-        planned = budget.take_notes()
         report = _report(target, options, args, kwargs)
         budget.take_notes()
-        budget.put_back_notes(planned)
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     modules = _modules(fun, target, leaves)
     outside = _outside_names(target, modules)
@@ -134,7 +134,7 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
                           else ("storage", storage._cdata, storage.nbytes()))
         out.append((Residual(tuple(x.shape), x.dtype, x.device, nbytes, name, kind, source),
                     held))
-    return out
+    return out, notes
 
 
 def _report(target: Callable[..., Any], options: RematOptions, args: tuple, kwargs: dict
@@ -166,8 +166,8 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
     listed of it. When the policy offloads, a last line says
     that under torch.compile those values stay on the device instead.
     """
-    listed = _residuals(fun, args, kwargs)
-    for note in budget.take_notes():
+    listed, notes = _residuals(fun, args, kwargs)
+    for note in notes:
         print(note.text)
     first_line: dict[_Storage, int] = {}  # storage -> the line that listed it first
     for line, (r, storage) in enumerate(listed, 1):
