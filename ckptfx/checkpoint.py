@@ -178,10 +178,12 @@ def checkpoint(
         check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
                       preserve_rng_state=preserve_rng_state, early_stop=early_stop,
                       policy=policy)
+    options = {"context_fn": context_fn, "determinism_check": determinism_check,
+               "debug": debug, "preserve_rng_state": preserve_rng_state,
+               "early_stop": early_stop}
     if not args and not kwargs:  # a function of no arguments, or checkpoint used as remat
         try:
-            return _run(function, args, kwargs, context_fn, determinism_check, debug,
-                        preserve_rng_state, early_stop, policy)
+            return run(function, args, kwargs, policy, options)
         except TypeError as err:
             if (hasattr(err, "add_note") and "required positional argument" in str(err)
                     and not _callable_without_arguments(function)):
@@ -191,8 +193,7 @@ def checkpoint(
                     "to call later (jax.checkpoint's way, or as a decorator), use "
                     "ckptfx.remat(function, policy=...) or @ckptfx.remat(policy=...)")
             raise
-    return _run(function, args, kwargs, context_fn, determinism_check, debug,
-                preserve_rng_state, early_stop, policy)
+    return run(function, args, kwargs, policy, options)
 
 
 def _callable_without_arguments(function: Callable[..., Any]) -> bool:
@@ -205,21 +206,22 @@ def _callable_without_arguments(function: Callable[..., Any]) -> bool:
     return True
 
 
-def _run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-         context_fn: Any, determinism_check: str, debug: bool, preserve_rng_state: bool,
-         early_stop: bool, policy: Any) -> Any:
-    """``checkpoint``'s call, options checked: by policy, under compile, or plain."""
+def run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+        policy: Any, options: dict[str, Any], names: NameCheck | None = None) -> Any:
+    """A checkpoint call, its options checked (``options``: ``checkpoint``'s keyword
+    options but ``policy``; ``names``: a ``checkpoint_wrapper``'d module's name check), for
+    ``checkpoint`` and ``checkpoint_wrapper`` alike: with a policy (inside a torch.func
+    transform, also without one) a ``remat`` call; under ``torch.compile`` torch's
+    checkpoint; else the kernel's."""
     if policy is None and _compat.functorch_level() > 0:
-        policy = policy_under_func(context_fn, debug)
+        policy = policy_under_func(options.get("context_fn", noop_context_fn),
+                                   options.get("debug", False))
     if policy is not None:
-        return run_with_policy(function, args, kwargs, policy=policy, early_stop=early_stop)
+        return run_with_policy(function, args, kwargs, policy=policy,
+                               early_stop=options.get("early_stop", True), names=names)
     if _compat.is_compiling():
-        return torch_fallback(function, args, kwargs, context_fn=context_fn,
-                              determinism_check=determinism_check, debug=debug,
-                              preserve_rng_state=preserve_rng_state, early_stop=early_stop)
-    return run_checkpointed(function, args, kwargs, context_fn=context_fn,
-                            determinism_check=determinism_check, debug=debug,
-                            preserve_rng_state=preserve_rng_state, early_stop=early_stop)
+        return torch_fallback(function, args, kwargs, **options)
+    return run_checkpointed(function, args, kwargs, **options)
 
 
 def policy_under_func(context_fn: Any, debug: bool) -> Any:
@@ -377,18 +379,9 @@ class _CheckpointedModule(_MixinBase):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self._ckptfx_original_class.forward.__get__(self)  # type: ignore[attr-defined]
-        options = self._ckptfx_options
-        policy = options.get("policy")
-        if policy is None and _compat.functorch_level() > 0:
-            policy = policy_under_func(options.get("context_fn", noop_context_fn),
-                                       options.get("debug", False))
-        if policy is not None:
-            return run_with_policy(inner, args, kwargs, policy=policy,
-                                   early_stop=options.get("early_stop", True),
-                                   names=self.__dict__.get("_ckptfx_names"))
-        if _compat.is_compiling():
-            return torch_fallback(inner, args, kwargs, **options)
-        return run_checkpointed(inner, args, kwargs, **options)
+        options = self._ckptfx_options  # with a policy, read for early_stop only
+        return run(inner, args, kwargs, options.get("policy"), options,
+                   self.__dict__.get("_ckptfx_names"))
 
 
 def _new_checkpointed(cls: type) -> Any:
