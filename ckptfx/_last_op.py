@@ -34,42 +34,48 @@ _NODE_WALK = 64  # nodes the walk visits at most
 def _node_of(outputs: Any, seq: int) -> Any:
     """The autograd node with sequence number ``seq`` reachable from ``outputs``, or None.
 
-    Edges point to nodes made earlier (smaller numbers), so the walk prunes below ``seq``."""
+    Edges point to nodes made earlier (smaller numbers), so the walk prunes below ``seq``.
+    Run once per checkpointed forward, on a graph just made: the common case (one tensor
+    out, the saving op a node or two below it) is a short path with no set or generator, and
+    a node reached twice is only visited twice (the walk is bounded either way)."""
     if isinstance(outputs, torch.Tensor):
-        leaves: Any = (outputs,)
-    elif isinstance(outputs, (tuple, list)):
-        leaves = outputs
+        stack = [outputs.grad_fn]
     else:
-        leaves = optree.tree_leaves(outputs, none_is_leaf=True)
-    stack = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[Any] = set()
-    while stack and len(seen) < _NODE_WALK:
+        leaves = (outputs if isinstance(outputs, (tuple, list))
+                  else optree.tree_leaves(outputs, none_is_leaf=True))
+        stack = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor)]
+    visits = 0
+    while stack and visits < _NODE_WALK:
         node = stack.pop()
-        if node in seen:
+        if node is None:
             continue
-        seen.add(node)
+        visits += 1
         n = node._sequence_nr()
         if n == seq:
             return node
         if n > seq:
-            stack.extend(child for child, _ in node.next_functions if child is not None)
+            for child, _ in node.next_functions:
+                stack.append(child)
     return None
 
 
+# node class -> its ``_raw_saved_*`` attributes, the one that held the last pack first
 _RAW_SAVED: dict[type, tuple[str, ...]] = {}
 
 
 def _holds(node: Any, packed: Any) -> bool:
     """True if ``node`` saved ``packed`` (what a pack hook returned for it): the node is the
     op that made that pack, whatever its sequence number says (numbers are per thread)."""
-    names = _RAW_SAVED.get(type(node))
+    cls = type(node)
+    names = _RAW_SAVED.get(cls)
     if names is None:
-        names = _RAW_SAVED[type(node)] = tuple(n for n in dir(node)
-                                                if n.startswith("_raw_saved_"))
+        names = _RAW_SAVED[cls] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
     for name in names:
         saved = getattr(node, name)
         for st in saved if isinstance(saved, (list, tuple)) else (saved,):
             if st is not None and st.data is packed:
+                if name is not names[0]:  # an op saves its last tensor in one place: look
+                    _RAW_SAVED[cls] = (name, *(n for n in names if n is not name))  # there first
                 return True
     return False
 
