@@ -158,9 +158,8 @@ def checkpoint(
         out = ckptfx.checkpoint(block, x, mask=mask)
         out.sum().backward()
 
-        # keep the matmul outputs, recompute the rest (Hugging Face models too:
-        # model._set_gradient_checkpointing(gradient_checkpointing_func=
-        #     functools.partial(ckptfx.checkpoint, policy=cp.dots_saveable)))
+        # keep the matmul outputs, recompute the rest (for a whole Hugging Face model:
+        # ckptfx.apply_activation_checkpointing(model, policy=cp.dots_saveable))
         from ckptfx import checkpoint_policies as cp
         out = ckptfx.checkpoint(block, x, policy=cp.dots_saveable)
     """
@@ -392,6 +391,10 @@ def _new_checkpointed(cls: type) -> Any:
 def _wrapped_class(cls: type) -> type:
     sub = _WRAPPED_CLASSES.get(cls)
     if sub is None:
+        # The original module name on purpose: torch.fx keeps a torch.nn module a leaf by
+        # its class's __module__, so a wrapped nn.Linear stays one call_module node (under
+        # ckptfx's name fx would trace into the checkpoint's machinery). Pickling does not
+        # look the class up by name (__reduce_ex__ above).
         sub = type(f"Checkpointed{cls.__name__}", (_CheckpointedModule, cls),
                    {"_ckptfx_original_class": cls, "__module__": cls.__module__})
         _WRAPPED_CLASSES[cls] = sub
@@ -443,11 +446,17 @@ def checkpoint_wrapper(module: M, **checkpoint_kwargs: Any) -> M:
 def unwrap_checkpoint(module: M) -> M:
     """Undo ``checkpoint_wrapper`` in place; returns the same module.
 
+    Only ``module`` itself is unwrapped: one that is not wrapped is returned unchanged, and
+    so are its submodules (to unwrap every wrapped block of a model, call it on each of
+    ``model.modules()``).
+
     Example::
 
         ckptfx.checkpoint_wrapper(block)
         ...
         ckptfx.unwrap_checkpoint(block)   # plain forward again
+        for m in model.modules():          # every wrapped module of a model
+            ckptfx.unwrap_checkpoint(m)
     """
     if isinstance(module, _CheckpointedModule):
         module.__class__ = module._ckptfx_original_class

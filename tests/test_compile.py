@@ -167,6 +167,25 @@ def test_compiled_remat_is_bitwise(backend: str, autocast: bool, policy: str) ->
         assert_bitwise(got, step(two_blocks(body), p, x, autocast))  # plain eager too
 
 
+def body_in_place(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    h = F.linear(x, p["w1"])
+    h.relu_()
+    h = F.linear(h, p["w2"])
+    h.mul_(2).sin_()
+    return h.exp()
+
+
+@pytest.mark.parametrize("policy", ["dots", "none", "everything"])
+def test_compiled_remat_with_in_place_ops_is_bitwise(policy: str) -> None:
+    # torch logs a caution about in-place ops for every context_fn under compile, and the
+    # lowering passes the policy as one (README): these blocks are exact all the same.
+    p, x = make_params(), x_input()
+    expected = step(body_in_place, p, x)
+    model = ckptfx.remat(body_in_place, policy=POLICIES[policy])
+    got = step(torch.compile(model, backend="aot_eager"), p, x)
+    assert_bitwise(got, expected)
+
+
 def test_compiled_backward_recomputes_only_what_the_policy_drops() -> None:
     # Without remat the backward of 2 blocks x 2 Linears has 8 matmuls (dx and dw of each);
     # recomputing everything adds the first Linear of each block (gelu's backward reads its
