@@ -70,6 +70,9 @@ def _writes_one_of(func: Any, args: tuple, kwargs: dict, ids: set[int]) -> bool:
     return False
 
 
+_NO_IDS: Any = frozenset()  # what a replay that neither probes nor watches looks ids up in
+
+
 class _Recorder:
     """Pack hook of a replay: files each saved tensor at its position and checks it."""
 
@@ -90,7 +93,7 @@ class _Recorder:
         self.last_op_seq = -1  # the sequence number the last op's packs see (set by arm)
         self.watch: _LastOpWatch | None = None
         self.last_op_ran: bool | None = False
-        self.last_op_packs: set[int] = set()
+        self.last_op_packs: set[int] = _NO_IDS  # the last op's packs, by id (made by arm)
         # A backward run inside the block restores its own thread state when it ends, a
         # mode pushed there would vanish: the watch is armed in the replay's own task only.
         self.task = _compat.current_graph_task_id() if self.last_op_first >= 0 else None
@@ -100,7 +103,7 @@ class _Recorder:
         # parameters (for recompute_session_stats; native replays need not know).
         self.probe: list[int] | None = (
             [] if frame.shared is None and tls.scheduled_replay else None)
-        self.input_ids = {id(a) for a in inputs} if self.probe is not None else set()
+        self.input_ids = {id(a) for a in inputs} if self.probe is not None else _NO_IDS
 
     def start(self) -> None:
         """Before the block runs: watch from the start if its first saving op is its last."""
@@ -113,6 +116,7 @@ class _Recorder:
             # the one dispatched once the replay has made as many.
             frame = self.frame
             self.last_op_seq = _compat.next_sequence_nr() + frame.op_seq - frame.prev_op_seq
+            self.last_op_packs = set()
             self.watch = _LastOpWatch(self)
             self.watch.__enter__()
 
@@ -208,9 +212,9 @@ def _aliases_input_or_leaf(x: torch.Tensor, input_ids: set[int]) -> bool:
     if id(x) in input_ids:
         return True
     base = x._base
-    if base is None:
-        return x.requires_grad and x.grad_fn is None
-    return id(base) in input_ids or (base.requires_grad and base.grad_fn is None)
+    if base is None:  # is_leaf, not grad_fn: no Python node made for a new graph's node
+        return x.requires_grad and x.is_leaf
+    return id(base) in input_ids or (base.requires_grad and base.is_leaf)
 
 
 def rerun_function(frame: Frame, tensors: Replay) -> None:
