@@ -46,20 +46,20 @@ Rules
 
 The graph analysis (the weight groups) is ``ckptfx._weight_groups``'s; the primals as flat tensor
 lists (flattening, the cotangent's check, packing the gradients) are ``ckptfx._primals``'s.
+Which split owns which session key, and when a user's clear abandons one, is
+``ckptfx._split_keys``'s.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
-import weakref
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import optree
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from . import _compile, _distributed
+from . import _compile, _distributed, _split_keys
 from ._primals import (
     _detach_tree,
     _normalize_argnums,
@@ -77,8 +77,6 @@ from ._weight_pass import weight_pass
 from .frame import CheckpointError, tls
 from .session import (
     RecomputeHandle,
-    clear_recompute_session,
-    on_clear,
     recompute_handle,
     recompute_handle_collector_ctx,
     recompute_session_ctx,
@@ -87,26 +85,10 @@ from .session import (
 
 __all__ = ["SplitInputFn", "SplitWeightFn", "grad_split", "vjp_split", "weight_pass_nodes"]
 
-_inflight_lock = threading.Lock()
-# session key -> the split using it; a split that was dropped unfinished frees its key.
-_inflight: "weakref.WeakValueDictionary[Hashable, _Split]" = weakref.WeakValueDictionary()
-_key_counter = itertools.count()
 # Rule 4 on/off; benchmarks turn it off to measure what trimming saves.
 _trim_enabled = True
 # Rule 4's drop at the read (else only when dx ends); benchmarks measure what it saves.
 _early_drop_enabled = True
-
-
-class _SplitKey:
-    """A fresh session key, for splits made without ``session=``."""
-
-    __slots__ = ("n", "__weakref__")
-
-    def __init__(self) -> None:
-        self.n = next(_key_counter)
-
-    def __repr__(self) -> str:
-        return f"<vjp_split session {self.n}>"
 
 
 # -- the split --------------------------------------------------------------------------------
@@ -138,7 +120,7 @@ class _Split:
         _check_fun(fun, has_aux, who)
         nums, self.x_single = _normalize_argnums(x_argnums, len(args))
         if session is None:
-            session = _SplitKey()
+            session = _split_keys.SplitKey()
         else:
             try:
                 hash(session)
@@ -162,14 +144,7 @@ class _Split:
         (call_args, self.x_specs, self.w_specs, self.x, self.weights, w_index,
          self.param_slots) = flatten_primals(args, nums, param_list, who)
 
-        with _inflight_lock:
-            other = _inflight.get(session)
-            if other is not None and other.state != "done" and not other.abandoned():
-                raise ValueError(
-                    f"{who}: session {session!r} is already used by a split whose dw_fn has not "
-                    "run; use one session key per micro-batch (and stage)"
-                )
-            _inflight[session] = self
+        _split_keys.claim(session, self, who)  # one unfinished split per key (its Rule 1)
 
         try:
             with _distributed.observing() as seen, recompute_handle_collector_ctx() as handles, \
@@ -216,9 +191,7 @@ class _Split:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def _forget(self) -> None:
-        with _inflight_lock:
-            if _inflight.get(self.key) is self:
-                del _inflight[self.key]
+        _split_keys.forget(self.key, self)
 
     def release(self) -> None:
         """Drop everything (Rule 5); idempotent."""
@@ -243,19 +216,8 @@ class _Split:
             self._forget()
 
     def _clear_own_session(self) -> None:
-        """Clear this split's session as the split itself: ``_note_clear`` ignores it, for
-        this split and for a new split that already took the same key on another thread.
-        A split abandoned by the user whose key a new split has taken clears nothing: the
-        session is the new split's now."""
-        with _inflight_lock:
-            owner = _inflight.get(self.key)
-        if owner is not None and owner is not self:
-            return
-        _own_clear.key = self.key
-        try:
-            clear_recompute_session(self.key)
-        finally:
-            _own_clear.key = _NO_KEY
+        """Clear this split's session as the split itself (``_split_keys``, Rule 3)."""
+        _split_keys.clear_as_owner(self.key, self)
 
     def abandoned(self) -> bool:
         """Cleared by the user before it finished (its key is free for a new split)."""
@@ -424,32 +386,6 @@ class _Split:
                     "call dw_fn next (dx_fn runs once per split)")
         return (f"{self.who}: session {key!r} is consumed (its dw_fn ran, or it failed or "
                 "was cleared, which releases it); make a new split")
-
-
-_NO_KEY = object()
-
-
-class _OwnClear(threading.local):
-    key: Any = _NO_KEY  # the key a split on this thread is clearing itself
-
-
-_own_clear = _OwnClear()
-
-
-def _note_clear(session_id: Hashable) -> None:
-    """``session.on_clear``: the user cleared the key of a split none of whose blocks has
-    joined the session yet (made, not prefired, dx not run): it is abandoned all the same
-    (Rule 6), and its next call says so and releases it. A split's own clears (a release,
-    a failed prefire) are not the user's."""
-    if _own_clear.key is not _NO_KEY and _own_clear.key == session_id:
-        return
-    with _inflight_lock:
-        split = _inflight.get(session_id)
-    if split is not None and split.state == "forward" and split.session_obj is None:
-        split.cleared_early = True
-
-
-on_clear(_note_clear)
 
 
 class _SplitFn:

@@ -65,19 +65,20 @@ def rounds_of(fns: dict[str, Callable[[], Any]], rounds: int, inner: int = 1
 
 def ratio(times: dict[str, list[float]], a: str, b: str
           ) -> tuple[float, float, float, float]:
-    """Median of a / median of b (the figure), the quartiles of the per-round ratios a/b, and
-    their median: each round times a and b next to each other, so where the machine's speed
-    drifts during a run the per-round median can differ from the figure, even fall outside
-    the quartiles (both are printed)."""
+    """The median of the per-round ratios a/b (the figure), their quartiles, and the median
+    of a over the median of b. Each round times a and b next to each other, so a round's
+    ratio is free of the machine's speed, which drifts during a run (on a shared 2-core VM
+    by tens of percent within a minute); the ratio of the two medians is not, and can fall
+    outside the per-round quartiles. Both are printed; the verdict reads the figure."""
     per_round = sorted(x / y for x, y in zip(times[a], times[b]))
     n = len(per_round)
-    return (statistics.median(times[a]) / statistics.median(times[b]),
-            per_round[n // 4], per_round[(3 * n) // 4], statistics.median(per_round))
+    return (statistics.median(per_round), per_round[n // 4], per_round[(3 * n) // 4],
+            statistics.median(times[a]) / statistics.median(times[b]))
 
 
 def fmt(r: tuple[float, float, float, float]) -> str:
-    """A ``ratio`` as printed: the figure, then the per-round median and quartiles."""
-    return f"{r[0]:.3f}x (per round: median {r[3]:.3f}, IQR {r[1]:.3f}-{r[2]:.3f})"
+    """A ``ratio`` as printed: the figure and its quartiles, then the ratio of medians."""
+    return f"{r[0]:.3f}x (per-round IQR {r[1]:.3f}-{r[2]:.3f}; medians' ratio {r[3]:.3f})"
 
 
 def target_note(key: str) -> str:
