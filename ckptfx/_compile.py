@@ -69,7 +69,7 @@ from . import _compat, _env
 from ._name_op import NAME_OP
 from .frame import CheckpointError, tls
 from .policies import NothingSaveable, Offload, Policy, call_policy, checkpoint_name, decide
-from .session import collecting
+from ._collector import collecting
 
 __all__ = ["CompileOffloadWarning", "CompiledBlockWarning", "CompiledPolicy",
            "CompiledReplayWarning", "Lowered", "check_split_graph", "note_lowered"]

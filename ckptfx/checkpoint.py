@@ -18,7 +18,7 @@ from .frame import (NULL_CONTEXT, CheckpointError, Frame, refuse_new_frame_in_sc
                     unpack_hook)
 from .refill import first_node, plain_saves, scope_on_top
 from .policies import NameCheck, NothingSaveable, check_policy, name_check, nothing_saveable
-from .session import collect, uncollect
+from ._collector import collect, uncollect
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
 

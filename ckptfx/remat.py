@@ -39,7 +39,7 @@ from .policies import (
 )
 from .refill import first_node, plain_saves, scope_on_top
 from .rerun import plan_for
-from .session import collect, uncollect
+from ._collector import collect, uncollect
 from .trace import Tracer, reporting, residual_unpack_hook
 
 __all__ = ["remat"]

@@ -35,7 +35,7 @@ from torch import nn
 
 from .checkpoint import checkpoint
 from .remat import remat
-from .session import forward_to_outer_collector, recompute_handle_collector_ctx
+from ._collector import forward_to_outer_collector, recompute_handle_collector_ctx
 
 __all__ = ["checkpoint_layers", "checkpoint_sequential"]
 

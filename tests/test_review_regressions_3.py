@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ckptfx
-from ckptfx import _collectives, _compat, session
+from ckptfx import _collectives, _collector, _compat
 from ckptfx.frame import tls
 
 
@@ -69,7 +69,7 @@ def test_collector_works_as_a_decorator() -> None:
         forward()
         forward()
     assert outer == []  # the decorated forwards collected into their own collectors
-    assert not session.collecting()
+    assert not _collector.collecting()
 
 
 @pytest.mark.parametrize("make", [
@@ -85,7 +85,7 @@ def test_context_entered_twice_is_an_error_that_leaves_nothing(make: Callable[[]
         with ctx:
             pass
     assert tls.activation is None
-    assert not session.collecting()
+    assert not _collector.collecting()
     assert "once" not in ckptfx.recompute_session_stats()
 
 
