@@ -338,3 +338,16 @@ def test_bench_overhead_verdict_names_each_target_and_its_floor() -> None:
     assert "d=256 (floor 1.120x: the target is below it)" in lines[2]
     assert "keeping freed memory" in lines[3] and lines[3].endswith("(floor 1.030x)")
     assert verdict({}) == []  # a part not run: no line
+
+
+def test_bench_ratio_figure_is_the_median_of_paired_rounds() -> None:
+    from ckptfx.bench._overhead_common import fmt, ratio
+
+    # The machine slows to half speed during the run: four of five rounds time a at 1.2x b,
+    # one caught the change between a and b. The medians fall in different speeds.
+    times = {"a": [1.2, 1.2, 2.4, 2.4, 2.4], "b": [1.0, 1.0, 1.0, 2.0, 2.0]}
+    figure, q1, q3, medians = ratio(times, "a", "b")
+    assert (round(figure, 9), round(q1, 9), round(q3, 9)) == (1.2, 1.2, 1.2)
+    assert round(medians, 9) == 2.4  # the ratio of medians: the drift, not the code
+    assert fmt((figure, q1, q3, medians)) == (
+        "1.200x (per-round IQR 1.200-1.200; medians' ratio 2.400)")

@@ -4,8 +4,9 @@
     python benchmarks/bench_overhead.py [--quick] [--only remat|split|vjp256] [--rounds N]
 
 All variants of a part run in one process, alternated (A B C ... then C B A ...), one
-thread; each figure is a median over rounds, reported as a ratio to its alternative in the
-same run, with the interquartile range of the per-round ratios (the spread). Times are the
+thread; each figure is the median of the per-round ratios to its alternative in the same
+run (a round times both next to each other, so the machine's drifting speed cancels), with
+their interquartile range (the spread) and the ratio of the two medians. Times are the
 benchmarking thread's CPU time (``time.thread_time``): on a machine shared with other work
 the wall clock also counts the time the other processes held the cores. Parts:
 
