@@ -142,3 +142,35 @@ def test_vjp_split_with_one_group_per_linear_replays_once_and_clears() -> None:
     assert calls[0] == 2  # the forward and one replay, for dx and the 4 weight groups
     assert_bitwise([dx, *(p.grad for p in params)], expected)
     assert ckptfx.recompute_session_stats() == {}
+
+
+def test_plain_autograd_never_creates_functorchs_thread_state(monkeypatch) -> None:
+    # Reading functorch's level creates the thread's functorch state, which every autograd
+    # node run afterwards copies (_compat.functorch_level): checkpoint, remat and a split
+    # under plain autograd must find "no transform" without asking.
+    asked = []
+
+    def spy(name):
+        real = getattr(torch._C._functorch, name)
+
+        def call(*a):
+            asked.append(name)
+            return real(*a)
+        return call
+
+    for name in ("maybe_current_level", "peek_interpreter_stack"):
+        monkeypatch.setattr(torch._C._functorch, name, spy(name))
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    ckptfx.checkpoint(_mlp, x, w).sum().backward()
+    ckptfx.remat(_mlp)(x, w).sum().backward()
+    ckptfx.remat(_mlp, policy=ckptfx.checkpoint_policies.dots_saveable)(x, w).sum().backward()
+    _, dx_fn, dw_fn = ckptfx.vjp_split(lambda a: ckptfx.checkpoint(_mlp, a, w), x,
+                                       params=[w])
+    dx_fn(torch.ones(4, 8))
+    dw_fn()
+    assert asked == []
+    # inside a transform the level is still read
+    torch.func.grad(lambda a: ckptfx.checkpoint(_mlp, a, w).sum())(x.detach())
+    assert "maybe_current_level" in asked
