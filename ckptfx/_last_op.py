@@ -74,8 +74,10 @@ def _holds(node: Any, packed: Any) -> bool:
         saved = getattr(node, name)
         for st in saved if isinstance(saved, (list, tuple)) else (saved,):
             if st is not None and st.data is packed:
-                if name is not names[0]:  # an op saves its last tensor in one place: look
-                    _RAW_SAVED[cls] = (name, *(n for n in names if n is not name))  # there first
+                if name is not names[0]:
+                    # Nodes of one class keep their last pack in the same place: look there
+                    # first next time (a new tuple: a reader elsewhere keeps the old one).
+                    _RAW_SAVED[cls] = (name, *(n for n in names if n is not name))
                 return True
     return False
 
