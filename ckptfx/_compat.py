@@ -212,8 +212,9 @@ def functorch_level() -> int:
     small backward, 0.43 M per step of issue 17's split bench, in every backward of the
     process. While any transform is active functorch keeps its front dispatch key in the
     thread's included set (it adds it with the first layer and removes it with the last),
-    so that key answers "none" without touching the state."""
-    if not _dispatch_key_included(_FUNCTORCH_FRONT):
+    so that key answers "none" without touching the state. (Dynamo cannot trace that
+    read; it models functorch's level itself.)"""
+    if not torch.compiler.is_compiling() and not _dispatch_key_included(_FUNCTORCH_FRONT):
         return 0
     level = torch._C._functorch.maybe_current_level()
     return 0 if level is None else level

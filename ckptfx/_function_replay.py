@@ -212,9 +212,11 @@ def _aliases_input_or_leaf(x: torch.Tensor, input_ids: set[int]) -> bool:
     if id(x) in input_ids:
         return True
     base = x._base
-    if base is None:  # is_leaf, not grad_fn: no Python node made for a new graph's node
-        return x.requires_grad and x.is_leaf
-    return id(base) in input_ids or (base.requires_grad and base.is_leaf)
+    if base is None:
+        return x.requires_grad and x.grad_fn is None
+    # grad_fn, not is_leaf (which makes no Python node): dynamo, tracing this hook inside a
+    # compiled block's replay, turns base.is_leaf into a graph op on a base it lost
+    return id(base) in input_ids or (base.requires_grad and base.grad_fn is None)
 
 
 def rerun_function(frame: Frame, tensors: Replay) -> None:
