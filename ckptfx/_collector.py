@@ -67,7 +67,6 @@ class RecomputeHandle:
         return f"<RecomputeHandle {'(freed)' if frame is None else frame!r}>"
 
 
-
 def recompute_handle_collector_ctx() -> _Collector:
     """Collect a ``RecomputeHandle`` for each checkpointed call made in this scope.
 
@@ -88,6 +87,7 @@ def recompute_handle_collector_ctx() -> _Collector:
 
 
 def used_twice(what: str) -> RuntimeError:
+    """The error of a single-use context manager (this one, a session's) entered again."""
     return RuntimeError(
         f"ckptfx: this {what}() object was already entered once; it is single use, like a "
         f"contextlib context manager. Call {what}() again for each with-block."
@@ -120,6 +120,8 @@ def forward_to_outer_collector(handles: list[RecomputeHandle]) -> None:
     outer = _collector.get()
     if outer is not None:
         outer.extend(handles)
+
+
 def collecting() -> bool:
     """True inside a ``recompute_handle_collector_ctx`` on this thread or task."""
     return _collector.get() is not None

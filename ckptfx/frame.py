@@ -258,10 +258,7 @@ class Frame:
         metas = self.metas
         if metas is not None:
             metas.append((x.shape, x.dtype, x.device))
-        seq = _next_sequence_nr()  # note_op, inlined: this is every forward pack
-        if seq != self.op_seq:
-            self.prev_op_seq, self.op_seq = self.op_seq, seq
-            self.last_op_first = position
+        self.note_op(position)
         return holder
 
     def note_op(self, position: int) -> None:
