@@ -320,7 +320,8 @@ def forward_context(frame: Any) -> Any:
 
 def replay_context(frame: Any) -> Any:
     """A re-run of ``frame``'s function: the forward's collectives answered from its log."""
-    log = _logs.get(frame) if _logs else None
+    # WeakKeyDictionary's .data (CPython's weakref module): the map's len() runs Python
+    log = _logs.get(frame) if _logs.data else None  # type: ignore[attr-defined]
     if log is None or not log.entries:
         return NULL
     return Replayer(log, frame)

@@ -138,8 +138,12 @@ def top_dispatch_mode() -> Any:
     return torch._C._get_dispatch_stack_at(n - 1) if n else None
 
 
+# How many TorchFunctionModes are pushed on this thread (a C call, for hot paths).
+function_mode_count: Callable[[], int] = torch._C._len_torch_function_stack
+
+
 def has_function_modes() -> bool:
-    return bool(torch._C._len_torch_function_stack())
+    return bool(function_mode_count())
 
 
 def is_compiling() -> bool:
@@ -203,7 +207,7 @@ _FUNCTORCH_FRONT = torch._C.DispatchKey.FuncTorchDynamicLayerFrontMode
 _dispatch_key_included: Callable[[Any], bool] = torch._C._dispatch_tls_is_dispatch_key_included
 
 
-def functorch_level() -> int:
+def functorch_level(compiling: bool | None = None) -> int:
     """Nesting depth of active torch.func transforms (0 under plain autograd).
 
     Asking functorch for its level creates the thread's functorch state, which from then on
@@ -213,8 +217,11 @@ def functorch_level() -> int:
     process. While any transform is active functorch keeps its front dispatch key in the
     thread's included set (it adds it with the first layer and removes it with the last),
     so that key answers "none" without touching the state. (Dynamo cannot trace that
-    read; it models functorch's level itself.)"""
-    if not torch.compiler.is_compiling() and not _dispatch_key_included(_FUNCTORCH_FRONT):
+    read; it models functorch's level itself.) ``compiling``: ``is_compiling()``, where the
+    caller has asked already."""
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    if not compiling and not _dispatch_key_included(_FUNCTORCH_FRONT):
         return 0
     level = torch._C._functorch.maybe_current_level()
     return 0 if level is None else level

@@ -82,7 +82,7 @@ class ReplayEnv:
             if device_type is not None and torch.amp.is_autocast_available(device_type)
             else None
         )
-        self.device_ctx = _compat.device_context_mode() if _compat.has_function_modes() else None
+        self.device_ctx = _compat.device_context_mode() if _compat.function_mode_count() else None
         self.generators: dict[torch.Generator, torch.Tensor] = {}
 
     def note_generator(self, generator: torch.Generator) -> None:

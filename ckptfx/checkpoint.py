@@ -4,7 +4,8 @@ on ckptfx's own kernel (frame.py), so that sessions and prefire work for it."""
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, TypeVar
+import types
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, TypeVar
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -15,7 +16,7 @@ from ._debug import DebugLogs
 from . import _collectives
 from ._function_replay import rerun_function
 from .frame import (NULL_CONTEXT, CheckpointError, Frame, refuse_new_frame_in_scheduled_replay,
-                    unpack_hook)
+                    tls, unpack_hook)
 from .refill import first_node, plain_saves, scope_on_top
 from .policies import NameCheck, NothingSaveable, check_policy, name_check, nothing_saveable
 from ._collector import collect, uncollect
@@ -24,6 +25,10 @@ __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
 
 # torch's own default, so ``context_fn is noop_context_fn`` holds for code written for torch.
 noop_context_fn = _torch_checkpoint.noop_context_fn
+# checkpoint()'s keyword options when all are left at their defaults (read-only)
+DEFAULT_OPTIONS: Mapping[str, Any] = types.MappingProxyType(
+    {"context_fn": noop_context_fn, "determinism_check": "default", "debug": False,
+     "preserve_rng_state": True, "early_stop": True})
 
 _DETERMINISM_CHECKS = ("default", "none")
 
@@ -171,15 +176,17 @@ def checkpoint(
         )
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
-    if not (policy is None and context_fn is noop_context_fn and debug is False
+    if (policy is None and context_fn is noop_context_fn and debug is False
             and preserve_rng_state is True and early_stop is True
             and determinism_check == "default"):  # the defaults need no check (a hot path)
+        options = DEFAULT_OPTIONS
+    else:
         check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
                       preserve_rng_state=preserve_rng_state, early_stop=early_stop,
                       policy=policy)
-    options = {"context_fn": context_fn, "determinism_check": determinism_check,
-               "debug": debug, "preserve_rng_state": preserve_rng_state,
-               "early_stop": early_stop}
+        options = {"context_fn": context_fn, "determinism_check": determinism_check,
+                   "debug": debug, "preserve_rng_state": preserve_rng_state,
+                   "early_stop": early_stop}
     if not args and not kwargs:  # a function of no arguments, or checkpoint used as remat
         try:
             return run(function, args, kwargs, policy, options)
@@ -206,20 +213,23 @@ def _callable_without_arguments(function: Callable[..., Any]) -> bool:
 
 
 def run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-        policy: Any, options: dict[str, Any], names: NameCheck | None = None) -> Any:
+        policy: Any, options: Mapping[str, Any], names: NameCheck | None = None) -> Any:
     """A checkpoint call, its options checked (``options``: ``checkpoint``'s keyword
     options but ``policy``; ``names``: a ``checkpoint_wrapper``'d module's name check), for
     ``checkpoint`` and ``checkpoint_wrapper`` alike: with a policy (inside a torch.func
     transform, also without one) a ``remat`` call; under ``torch.compile`` torch's
     checkpoint; else the kernel's."""
-    if policy is None and _compat.functorch_level() > 0:
+    compiling = _compat.is_compiling()
+    if policy is None and _compat.functorch_level(compiling) > 0:
         policy = policy_under_func(options.get("context_fn", noop_context_fn),
                                    options.get("debug", False))
     if policy is not None:
         return run_with_policy(function, args, kwargs, policy=policy,
                                early_stop=options.get("early_stop", True), names=names)
-    if _compat.is_compiling():
+    if compiling:
         return torch_fallback(function, args, kwargs, **options)
+    if options is DEFAULT_OPTIONS:  # no keywords to parse: the common call
+        return run_checkpointed(function, args, kwargs)
     return run_checkpointed(function, args, kwargs, **options)
 
 
@@ -303,7 +313,8 @@ def run_checkpointed(
     """The forward of a checkpoint call, options already checked."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    refuse_new_frame_in_scheduled_replay("a checkpoint")
+    if tls.scheduled_replay:
+        refuse_new_frame_in_scheduled_replay("a checkpoint")
     logs = None
     if debug:
         logs = DebugLogs()

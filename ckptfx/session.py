@@ -382,13 +382,14 @@ def _register_handle(handle: RecomputeHandle, session_id: Hashable
             f"got {type(handle).__name__}"
         )
     _check_session_id(session_id)
-    if getattr(handle, "_frame", None) is None:
+    ref = getattr(handle, "_frame", None)
+    if ref is None:
         raise ValueError(
             "handle is a RecomputeHandle that was not made by "
             "ckptfx.recompute_handle_collector_ctx() (it refers to no checkpointed call); "
             "use the handles that collector yields"
         )
-    frame = handle.frame
+    frame = ref()  # handle.frame, without the property's call
     if frame is None:
         return None
     with _lock:

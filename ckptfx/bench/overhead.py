@@ -171,7 +171,7 @@ def run(only: str | None = None, quick: bool = False, rounds: int | None = None
             figures.update(bench_remat(64, rounds or (5 if q else 41), 5 if q else 20))
             figures.update(bench_remat(256, rounds or (3 if q else 21), 1))
         if only in (None, "split"):
-            figures.update(bench_split(rounds or (5 if q else 41), 2 if q else 10))
+            figures.update(bench_split(rounds or (5 if q else 101), 2 if q else 4))
         if only in (None, "vjp256"):
             figures.update(bench_vjp256(rounds or (3 if q else 15)))
             figures.update(bench_vjp256_keeping_freed_memory(rounds or (3 if q else 15)))
