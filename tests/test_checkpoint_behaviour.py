@@ -208,6 +208,33 @@ def test_compile_falls_back_to_torch_checkpoint() -> None:
     assert len(graphs) == 1 and "tag_activation_checkpoint" in graphs[0]
 
 
+def test_default_call_under_compile_passes_the_defaults_and_keeps_them(monkeypatch) -> None:
+    # a call with every option at its default shares one read-only options map: the compile
+    # branch gets its own copy of it, with ckptfx's context_fn in place of torch's
+    from ckptfx.checkpoint import DEFAULT_OPTIONS
+
+    before = dict(DEFAULT_OPTIONS)
+    calls = []
+    real = torch_checkpoint.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        calls.append(kwargs)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(_compat, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch_checkpoint, "checkpoint", spy)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = ckptfx.checkpoint(lin, x)
+    assert len(calls) == 1 and calls[0]["early_stop"] is True
+    assert calls[0]["preserve_rng_state"] is True and "debug" not in calls[0]
+    assert isinstance(calls[0]["context_fn"], functools.partial)
+    assert dict(DEFAULT_OPTIONS) == before
+    with pytest.raises(TypeError):
+        DEFAULT_OPTIONS["debug"] = True  # type: ignore[index]
+    assert torch.equal(out, torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
 @pytest.mark.parametrize("wrapped", [False, True], ids=["checkpoint", "checkpoint_wrapper"])
 def test_is_compiling_branch_calls_torch_checkpoint(monkeypatch, wrapped: bool) -> None:
     calls = []
