@@ -208,13 +208,10 @@ def test_compile_falls_back_to_torch_checkpoint() -> None:
     assert len(graphs) == 1 and "tag_activation_checkpoint" in graphs[0]
 
 
-def test_default_call_under_compile_passes_the_defaults_and_keeps_them(monkeypatch) -> None:
-    # a call with every option at its default shares one read-only options map: the compile
-    # branch gets its own copy of it, with ckptfx's context_fn in place of torch's
-    from ckptfx.checkpoint import DEFAULT_OPTIONS
-
-    before = dict(DEFAULT_OPTIONS)
-    calls = []
+def _torch_checkpoint_calls_as_if_compiling(monkeypatch) -> list[dict]:
+    """Make ckptfx see dynamo tracing, and list the keyword arguments of each call it then
+    makes to torch's checkpoint (which still runs)."""
+    calls: list[dict] = []
     real = torch_checkpoint.checkpoint
 
     def spy(fn, *args, **kwargs):
@@ -223,6 +220,16 @@ def test_default_call_under_compile_passes_the_defaults_and_keeps_them(monkeypat
 
     monkeypatch.setattr(_compat, "is_compiling", lambda: True)
     monkeypatch.setattr(torch_checkpoint, "checkpoint", spy)
+    return calls
+
+
+def test_default_call_under_compile_passes_the_defaults_and_keeps_them(monkeypatch) -> None:
+    # a call with every option at its default shares one read-only options map: the compile
+    # branch gets its own copy of it, with ckptfx's context_fn in place of torch's
+    from ckptfx.checkpoint import DEFAULT_OPTIONS
+
+    before = dict(DEFAULT_OPTIONS)
+    calls = _torch_checkpoint_calls_as_if_compiling(monkeypatch)
     lin = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
     out = ckptfx.checkpoint(lin, x)
@@ -237,15 +244,7 @@ def test_default_call_under_compile_passes_the_defaults_and_keeps_them(monkeypat
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["checkpoint", "checkpoint_wrapper"])
 def test_is_compiling_branch_calls_torch_checkpoint(monkeypatch, wrapped: bool) -> None:
-    calls = []
-    real = torch_checkpoint.checkpoint
-
-    def spy(fn, *args, **kwargs):
-        calls.append(kwargs)
-        return real(fn, *args, **kwargs)
-
-    monkeypatch.setattr(_compat, "is_compiling", lambda: True)
-    monkeypatch.setattr(torch_checkpoint, "checkpoint", spy)
+    calls = _torch_checkpoint_calls_as_if_compiling(monkeypatch)
     lin = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
     if wrapped:
