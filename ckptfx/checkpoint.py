@@ -25,10 +25,6 @@ __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
 
 # torch's own default, so ``context_fn is noop_context_fn`` holds for code written for torch.
 noop_context_fn = _torch_checkpoint.noop_context_fn
-# checkpoint()'s keyword options when all are left at their defaults (read-only)
-DEFAULT_OPTIONS: Mapping[str, Any] = types.MappingProxyType(
-    {"context_fn": noop_context_fn, "determinism_check": "default", "debug": False,
-     "preserve_rng_state": True, "early_stop": True})
 
 _DETERMINISM_CHECKS = ("default", "none")
 
@@ -360,6 +356,13 @@ def run_checkpointed(
     if refill is not None:
         refill.register(frame, out, args, first_node=first)
     return out
+
+
+# checkpoint()'s keyword options when all are left at their defaults, read from the one place
+# that holds them (run_checkpointed's signature), so a default call can skip passing them
+DEFAULT_OPTIONS: Mapping[str, Any] = types.MappingProxyType({
+    name: p.default for name, p in inspect.signature(run_checkpointed).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY})
 
 
 # -- checkpoint_wrapper ---------------------------------------------------------------------
