@@ -58,6 +58,9 @@ _RF_EXIT = getattr(getattr(torch.ops.profiler, "_record_function_exit", None), "
                    None)
 # frame -> its Log (frames have __slots__; a weak map keeps the kernel untouched)
 _logs: "weakref.WeakKeyDictionary[Any, Log]" = weakref.WeakKeyDictionary()
+# The map's own dict (a WeakKeyDictionary keeps the one it made), empty while no frame has a
+# log: a replay tests it before calling replay_context (len() of the map runs Python)
+logged: dict[Any, Any] = _logs.data  # type: ignore[attr-defined]
 
 
 def register_collective(op: Any) -> None:
@@ -315,13 +318,13 @@ class Replayer(_compat.TorchDispatchMode):
 
 def forward_context(frame: Any) -> Any:
     """A checkpoint forward: record its collectives where one can run (Rule 3)."""
-    return Recorder(frame) if watch_needed() else NULL
+    # watch_needed(), in line (every checkpoint forward asks)
+    return Recorder(frame) if _registered or _compat.distributed_initialized() else NULL
 
 
 def replay_context(frame: Any) -> Any:
     """A re-run of ``frame``'s function: the forward's collectives answered from its log."""
-    # WeakKeyDictionary's .data (CPython's weakref module): the map's len() runs Python
-    log = _logs.get(frame) if _logs.data else None  # type: ignore[attr-defined]
+    log = _logs.get(frame) if logged else None
     if log is None or not log.entries:
         return NULL
     return Replayer(log, frame)

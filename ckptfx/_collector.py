@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from .frame import Frame
 
@@ -65,6 +65,10 @@ class RecomputeHandle:
     def __repr__(self) -> str:
         frame = self._frame()
         return f"<RecomputeHandle {'(freed)' if frame is None else frame!r}>"
+
+
+# A handle made by the kernel, whose frame needs no check (one per block of a split step)
+_new_handle: Callable[[type[RecomputeHandle]], RecomputeHandle] = object.__new__
 
 
 def recompute_handle_collector_ctx() -> _Collector:
@@ -135,7 +139,9 @@ def collect(frame: Frame) -> list[RecomputeHandle] | None:
     Returns what to pass to ``uncollect`` if the forward does not complete."""
     handles = _collector.get()
     if handles is not None:
-        handles.append(RecomputeHandle(frame))
+        handle = _new_handle(RecomputeHandle)  # RecomputeHandle(frame), without its check
+        handle._frame = weakref.ref(frame)
+        handles.append(handle)
     return handles
 
 

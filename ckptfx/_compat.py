@@ -86,14 +86,14 @@ pop_saved_tensors_hooks: Callable[[], None] = _require(
 )
 
 # The saved-tensor hooks on top of this thread's stack now, as (pack, unpack), or None.
-_top_saved_tensors_hooks: Callable[[bool], Any] = _require(
+top_saved_tensors_hooks: Callable[[bool], Any] = _require(
     torch._C._autograd, "_top_saved_tensors_default_hooks"
 )
 
 
 def top_saved_tensors_pack_hook() -> Any:
     """The pack hook on top of the saved-tensor hooks stack, or None when it is empty."""
-    top = _top_saved_tensors_hooks(False)
+    top = top_saved_tensors_hooks(False)
     return None if top is None else top[0]
 
 
@@ -146,8 +146,9 @@ def has_function_modes() -> bool:
     return bool(function_mode_count())
 
 
-def is_compiling() -> bool:
-    return torch.compiler.is_compiling()
+# Whether dynamo is tracing: torch's own function, not a wrapper around it (asked by every
+# checkpoint call; dynamo answers it by identity while tracing)
+is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 
 def run_at_trace_time(fn: Callable[..., Any]) -> Callable[..., Any]:

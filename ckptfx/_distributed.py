@@ -243,9 +243,8 @@ def unshard_fsdp_modules(module: Any) -> None:
 
 
 def before_prefire(frame: Any) -> None:
-    """Rule 5: unshard the FSDP2 trees of a module-method frame before its prefire."""
-    if not _compat.distributed_initialized():
-        return
+    """Rule 5: unshard the FSDP2 trees of a module-method frame before its prefire (the
+    caller asks first whether a process group exists)."""
     module = getattr(frame.fn, "__self__", None)
     if isinstance(module, torch.nn.Module):
         unshard_fsdp_modules(module)

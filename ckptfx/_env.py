@@ -76,7 +76,9 @@ class ReplayEnv:
             mod = _device_module(device_type)
             if mod.is_initialized():
                 self.device_rng = [(i, mod.get_rng_state(i)) for i in device_ids]
-        self.cpu_autocast = _autocast_state("cpu")
+        # _autocast_state("cpu"), in line (every forward call makes a ReplayEnv)
+        self.cpu_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                             torch.is_autocast_cache_enabled())
         self.device_autocast = (
             _autocast_state(device_type)
             if device_type is not None and torch.amp.is_autocast_available(device_type)
@@ -99,70 +101,85 @@ class ReplayEnv:
         """
         return _Restored(self)
 
-
-class _Restored:
-    """The context manager of ``ReplayEnv.restored`` (a class: replays are frequent)."""
-
-    __slots__ = ("env", "saved_cpu", "saved_dev", "saved_gens", "contexts")
-
-    def __init__(self, env: ReplayEnv) -> None:
-        self.env = env
-
-    def __enter__(self) -> None:
-        env = self.env
-        self.saved_cpu = None
-        self.saved_dev: list[tuple[Any, int, torch.Tensor]] = []
-        if env.cpu_rng is not None:
-            self.saved_cpu = _CPU_GENERATOR.get_state()
-            _CPU_GENERATOR.set_state(env.cpu_rng)
-        if env.device_rng:
-            mod = _device_module(env.device_type)  # type: ignore[arg-type]
-            self.saved_dev = [(mod, i, mod.get_rng_state(i)) for i, _ in env.device_rng]
-            for i, state in env.device_rng:
+    def enter(self) -> "_Saved":
+        """``restored()``'s enter, as a call: returns what ``leave`` needs to put the
+        caller's state back (a replay pays two Python calls, not a context manager's five).
+        Raises with nothing changed if entering a context raises."""
+        saved_cpu = None
+        saved_dev: list[tuple[Any, int, torch.Tensor]] = []
+        saved_gens: list[tuple[torch.Generator, torch.Tensor]] = []
+        if self.cpu_rng is not None:
+            saved_cpu = _CPU_GENERATOR.get_state()
+            _CPU_GENERATOR.set_state(self.cpu_rng)
+        if self.device_rng:
+            mod = _device_module(self.device_type)  # type: ignore[arg-type]
+            saved_dev = [(mod, i, mod.get_rng_state(i)) for i, _ in self.device_rng]
+            for i, state in self.device_rng:
                 mod.set_rng_state(state, i)
-        self.saved_gens = []
-        if env.generators:
-            self.saved_gens = [(g, g.get_state()) for g in env.generators]
-            for g, state in env.generators.items():
+        if self.generators:
+            saved_gens = [(g, g.get_state()) for g in self.generators]
+            for g, state in self.generators.items():
                 g.set_state(state)
+        saved = (saved_cpu, saved_dev, saved_gens, _NO_CONTEXTS)
         contexts = []
-        if _autocast_state("cpu") != env.cpu_autocast:
-            enabled, dtype, cache = env.cpu_autocast
-            contexts.append(torch.amp.autocast("cpu", enabled=enabled, dtype=dtype,
-                                               cache_enabled=cache))
-        if env.device_autocast is not None and _autocast_state(
-                env.device_type) != env.device_autocast:  # type: ignore[arg-type]
-            enabled, dtype, cache = env.device_autocast
-            contexts.append(torch.amp.autocast(env.device_type, enabled=enabled,  # type: ignore
+        cpu = self.cpu_autocast
+        if (torch.is_autocast_enabled("cpu") != cpu[0]  # _autocast_state("cpu"), in line
+                or torch.get_autocast_dtype("cpu") != cpu[1]
+                or torch.is_autocast_cache_enabled() != cpu[2]):
+            contexts.append(torch.amp.autocast("cpu", enabled=cpu[0], dtype=cpu[1],
+                                               cache_enabled=cpu[2]))
+        if self.device_autocast is not None and _autocast_state(
+                self.device_type) != self.device_autocast:  # type: ignore[arg-type]
+            enabled, dtype, cache = self.device_autocast
+            contexts.append(torch.amp.autocast(self.device_type, enabled=enabled,  # type: ignore
                                                dtype=dtype, cache_enabled=cache))
-        if env.device_ctx is not None:
-            contexts.append(env.device_ctx)
+        if self.device_ctx is not None:
+            contexts.append(self.device_ctx)
         if not contexts:  # the common case: RNG only
-            self.contexts = contexts
-            return
+            return saved
         entered = []
         try:
             for ctx in contexts:
                 ctx.__enter__()
                 entered.append(ctx)
         except BaseException:
-            for ctx in reversed(entered):
-                ctx.__exit__(None, None, None)
-            self._put_back_rng()
+            ReplayEnv.leave((saved_cpu, saved_dev, saved_gens, entered), None, None, None)
             raise
-        self.contexts = entered
+        return (saved_cpu, saved_dev, saved_gens, entered)
 
-    def __exit__(self, *exc: Any) -> None:
+    @staticmethod
+    def leave(saved: "_Saved", *exc: Any) -> None:
+        """``restored()``'s exit: leave the contexts ``enter`` entered (given the exception
+        info, if any) and put the caller's generator states back, also if an exit raises."""
+        saved_cpu, saved_dev, saved_gens, contexts = saved
         try:
-            for ctx in reversed(self.contexts):
+            for ctx in reversed(contexts):
                 ctx.__exit__(*exc)
         finally:
-            self._put_back_rng()
+            if saved_cpu is not None:
+                _CPU_GENERATOR.set_state(saved_cpu)
+            for mod, i, state in saved_dev:
+                mod.set_rng_state(state, i)
+            for g, state in saved_gens:
+                g.set_state(state)
 
-    def _put_back_rng(self) -> None:
-        if self.saved_cpu is not None:
-            _CPU_GENERATOR.set_state(self.saved_cpu)
-        for mod, i, state in self.saved_dev:
-            mod.set_rng_state(state, i)
-        for g, state in self.saved_gens:
-            g.set_state(state)
+
+# (caller's CPU state or None, [(device module, index, state)], [(generator, state)],
+#  contexts entered): what ReplayEnv.enter saved, for ReplayEnv.leave
+_Saved = tuple
+_NO_CONTEXTS: list[Any] = []  # never written: enter makes a new list when it has contexts
+
+
+class _Restored:
+    """The context manager of ``ReplayEnv.restored``."""
+
+    __slots__ = ("env", "saved")
+
+    def __init__(self, env: ReplayEnv) -> None:
+        self.env = env
+
+    def __enter__(self) -> None:
+        self.saved = self.env.enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        ReplayEnv.leave(self.saved, *exc)

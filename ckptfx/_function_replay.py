@@ -103,12 +103,7 @@ class _Recorder:
         # parameters (for recompute_session_stats; native replays need not know).
         self.probe: list[int] | None = (
             [] if frame.shared is None and tls.scheduled_replay else None)
-        self.input_ids = {id(a) for a in inputs} if self.probe is not None else _NO_IDS
-
-    def start(self) -> None:
-        """Before the block runs: watch from the start if its first saving op is its last."""
-        if self.last_op_first == 0:
-            self.arm()
+        self.input_ids = set(map(id, inputs)) if self.probe is not None else _NO_IDS
 
     def arm(self) -> None:
         if _compat.current_graph_task_id() == self.task:
@@ -126,58 +121,68 @@ class _Recorder:
             watch.__exit__(None, None, None)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """The replay's pack hook: file ``x`` at its position, checked (Rule 5), and stop
+        where the forward's last saved tensor was packed (Rule 6). One function, no helper
+        calls on the common path: it runs for every saved tensor of every replay."""
         i = self.count
         self.count = i + 1
         probe = self.probe
-        if probe is not None and _aliases_input_or_leaf(x, self.input_ids):
-            probe.append(i)
-        if self.watch is not None:
-            return self._pack_watched(x, i)
-        if x.requires_grad:
+        if probe is not None:  # does x alias an input or a leaf (a parameter)?
+            ids = self.input_ids
+            base = x._base
+            if base is None:
+                base = x
+            # grad_fn, not is_leaf (which makes no Python node): dynamo, tracing this hook
+            # inside a compiled block's replay, turns base.is_leaf into a graph op on a base
+            # it lost
+            if (id(x) in ids or id(base) in ids
+                    or (base.requires_grad and base.grad_fn is None)):
+                probe.append(i)
+        watched = self.watch is not None
+        if watched:  # a pack of the last op, its watch armed
+            # The object the op will hold at the dispatcher, by id: a reference would be a
+            # cycle gc cannot see (x's graph holds this hook through its saved variables).
+            self.last_op_packs.add(id(x))
+            if x.requires_grad:
+                ran, self.last_op_ran = self.last_op_ran, None  # the watch lets this pass:
+                x = x.detach()                                 # not an op of the block
+                self.last_op_ran = ran
+        elif x.requires_grad:
             x = x.detach()
-        self._file(x, i)
+        frame = self.frame
+        tensors = self.tensors
+        if i >= len(tensors):
+            self._overflow(frame)
+        elif frame.holders[i]() is not None:  # its holder lives: someone will read it
+            tensors[i] = x
+            metas = frame.metas
+            if metas is not None:
+                meta = metas[i]
+                if x.dtype != meta[1] or x.shape != meta[0] or x.device != meta[2]:
+                    self.mismatched.append((i, meta, (x.shape, x.dtype, x.device)))
+        if watched:
+            if i + 1 == self.stop_at and self.last_op_ran:
+                raise _Stop  # the last op ran before this pack: its outputs are saved
+            return x  # else an input of the last op, packed before it runs: the watch decides
         if i + 1 == self.stop_at:
             raise _Stop  # torch's stop, in the pack of the last saved tensor (Rule 6)
         if i + 1 == self.last_op_first:
             self.arm()  # the next pack is the last op's first
         return x
 
-    def _pack_watched(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        """A pack of the last op, its watch armed (Rule 6)."""
-        # The object the op will hold at the dispatcher, by id: a reference would be a cycle
-        # gc cannot see (x's graph holds this hook through its saved variables).
-        self.last_op_packs.add(id(x))
-        if x.requires_grad:
-            ran, self.last_op_ran = self.last_op_ran, None  # the watch lets this pass:
-            x = x.detach()                                 # not an op of the block
-            self.last_op_ran = ran
-        self._file(x, i)
-        if i + 1 == self.stop_at and self.last_op_ran:
-            raise _Stop  # the last op ran before this pack: its outputs are saved
-        # else an input of the last op, packed before the op runs: the watch decides
-        return x
-
-    def _file(self, x: torch.Tensor, i: int) -> None:
-        """Put the replayed tensor at position ``i`` if its holder lives, checking it."""
-        frame = self.frame
-        if i >= len(self.tensors):
-            if not frame.forward_done:
-                # Backward inside the block during its own forward: the replay may see more
-                # than the forward had saved when it was triggered (torch's Rule 6).
-                frame.ignore_count = True
-                return
-            raise CheckpointError(
-                "ckptfx.checkpoint: trying to save more tensors during recomputation than "
-                f"during the original forward pass ({len(frame.holders)}). The block must run "
-                "the same ops when replayed.\n" + DEBUG_TIP
-            )
-        if frame.holders[i]() is not None:
-            self.tensors[i] = x
-            metas = frame.metas
-            if metas is not None:
-                meta = metas[i]
-                if x.dtype != meta[1] or x.shape != meta[0] or x.device != meta[2]:
-                    self.mismatched.append((i, meta, (x.shape, x.dtype, x.device)))
+    @staticmethod
+    def _overflow(frame: Frame) -> None:
+        """A pack past the forward's count."""
+        if not frame.forward_done:
+            # Backward inside the block during its own forward: the replay may see more
+            # than the forward had saved when it was triggered (torch's Rule 6).
+            frame.ignore_count = True
+            return
+        raise CheckpointError(
+            "ckptfx.checkpoint: trying to save more tensors during recomputation than "
+            f"during the original forward pass ({len(frame.holders)}). The block must run "
+            "the same ops when replayed.\n" + DEBUG_TIP
+        )
 
     def check(self, frame: Frame) -> None:
         """After the replay: the count and metadata checks of Rule 5, in torch's words."""
@@ -208,48 +213,46 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _aliases_input_or_leaf(x: torch.Tensor, input_ids: set[int]) -> bool:
-    if id(x) in input_ids:
-        return True
-    base = x._base
-    if base is None:
-        return x.requires_grad and x.grad_fn is None
-    # grad_fn, not is_leaf (which makes no Python node): dynamo, tracing this hook inside a
-    # compiled block's replay, turns base.is_leaf into a graph op on a base it lost
-    return id(base) in input_ids or (base.requires_grad and base.grad_fn is None)
-
-
 def rerun_function(frame: Frame, tensors: Replay) -> None:
     """Replay strategy: run the block's Python function again under a recording hook."""
     args = frame.saved_inputs()
     rec = _Recorder(frame, tensors, args)
     ctx = frame.recompute_ctx
-    collectives = _collectives.replay_context(frame)
+    collectives = _collectives.replay_context(frame) if _collectives.logged else NULL_CONTEXT
     grad_was = torch.is_grad_enabled()
+    env = frame.env
     _compat.push_saved_tensors_hooks(rec.pack, _identity)
     try:
         torch._C._set_grad_enabled(True)  # torch.enable_grad(), without its wrapper object
-        with frame.env.restored():
+        saved = env.enter()  # env.restored(), as two calls
+        try:
             if ctx is None and collectives is NULL_CONTEXT:
                 _run_to_stop(frame, rec, args, tensors)
             else:
                 with (ctx if ctx is not None else NULL_CONTEXT), collectives:
                     _run_to_stop(frame, rec, args, tensors)
+        except BaseException as err:
+            env.leave(saved, type(err), err, err.__traceback__)
+            raise
+        env.leave(saved, None, None, None)
     finally:
         torch._C._set_grad_enabled(grad_was)
         _compat.pop_saved_tensors_hooks()
     if rec.probe is not None:
         frame.shared = frozenset(rec.probe)
-    rec.check(frame)
+    if rec.mismatched or rec.count != len(tensors):
+        rec.check(frame)
 
 
 def _run_to_stop(frame: Frame, rec: _Recorder, args: list[Any], tensors: Replay) -> None:
     try:
-        rec.start()
+        if rec.last_op_first == 0:
+            rec.arm()  # the block's first saving op is its last: watch from the start
         out = frame.fn(*args, **frame.kwargs)
         if type(tensors) is not list:  # a refill replay (Rule 7b)
             frame.refill.fill_from_result(tensors, out)
     except _Stop:
         pass
     finally:
-        rec.disarm()
+        if rec.watch is not None:
+            rec.disarm()

@@ -111,6 +111,7 @@ from ._last_op import last_op_writes_nothing
 __all__ = ["CheckpointError", "Frame", "Holder", "Reads", "unpack_hook", "tls"]
 
 _next_sequence_nr = _compat.next_sequence_nr
+_SavedTensor = _compat.SavedTensor
 # One reusable do-nothing context: what a replay or forward enters when nothing is to enter.
 NULL_CONTEXT = contextlib.nullcontext()
 
@@ -173,6 +174,10 @@ class Holder:
         self.index = index
 
 
+# A Holder without running its Python __init__ (Frame.pack, once per saved tensor)
+_new_holder: Callable[[type[Holder]], Holder] = object.__new__
+
+
 _rng_lock = threading.RLock()  # Rule 8
 
 Replay = list  # position -> replayed tensor, None once handed out (or if its holder died)
@@ -216,10 +221,11 @@ class Frame:
         tls.frames_made = self.frames_made = made
         self.fn = fn
         # Saved under the hooks active now: the parent frame's, when nested (not as outputs).
-        self.inputs: list[Any] = [
-            _compat.make_saved_tensor(a, False) if isinstance(a, torch.Tensor) else a
-            for a in args
-        ]
+        inputs = list(args)  # a loop, not a comprehension: one Python frame less per call
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                inputs[i] = _compat.make_saved_tensor(a, False)
+        self.inputs: list[Any] = inputs
         self.kwargs = kwargs
         self.env = ReplayEnv(
             (*args, *kwargs.values()) if kwargs else args, preserve_rng_state
@@ -251,18 +257,26 @@ class Frame:
     # -- forward ---------------------------------------------------------------------------
 
     def pack(self, x: torch.Tensor) -> Holder:
+        """The forward's pack hook (Rule 1): called for every saved tensor, so it makes its
+        holder without a Python ``__init__`` and does ``note_op``'s work in line."""
         holders = self.holders
         position = len(holders)
-        holder = Holder(self, position)
+        holder = _new_holder(Holder)
+        holder.frame = self
+        holder.index = position
         holders.append(weakref.ref(holder))
         metas = self.metas
         if metas is not None:
             metas.append((x.shape, x.dtype, x.device))
-        self.note_op(position)
+        seq = _next_sequence_nr()  # note_op(position), in line
+        if seq != self.op_seq:
+            self.prev_op_seq, self.op_seq = self.op_seq, seq
+            self.last_op_first = position
         return holder
 
     def note_op(self, position: int) -> None:
-        """At each pack of the forward: note where the packs of a new op start (Rule 6)."""
+        """At each pack of the forward: note where the packs of a new op start (Rule 6).
+        (``pack`` does the same in line.)"""
         seq = _next_sequence_nr()
         if seq != self.op_seq:
             self.prev_op_seq, self.op_seq = self.op_seq, seq
@@ -279,7 +293,11 @@ class Frame:
                 self.watch_last_op = False
 
     def saved_inputs(self) -> list[Any]:
-        return [a.unpack() if isinstance(a, _compat.SavedTensor) else a for a in self.inputs]
+        inputs = list(self.inputs)
+        for i, a in enumerate(inputs):
+            if isinstance(a, _SavedTensor):
+                inputs[i] = a.unpack()
+        return inputs
 
     def fill_reads(self) -> None:
         """Rule 4b: ``reads`` becomes the session replay's live holders and tensors (called

@@ -39,6 +39,7 @@ import threading
 import weakref
 from typing import Any, Callable, Hashable
 
+from . import _compat
 from ._collector import RecomputeHandle, recompute_handle_collector_ctx, used_twice
 from ._distributed import before_prefire
 from .frame import CheckpointError, Frame, tls
@@ -363,7 +364,8 @@ def recompute_handle(handle: RecomputeHandle, session_id: Hashable) -> None:
     if registered is not None:
         frame, session = registered
         if frame.session_replay is None:  # the frame is registered to session now
-            before_prefire(frame)  # FSDP2: the replay reads unsharded parameters
+            if _compat.distributed_initialized():
+                before_prefire(frame)  # FSDP2: the replay reads unsharded parameters
             _keep_replay(frame, session, frame.replay(session, store=False, scheduled=True))
 
 
