@@ -118,6 +118,33 @@ def test_rng_moved_between_forward_and_backward() -> None:
     assert_bitwise(got, expected)
 
 
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_a_replay_that_raises_puts_rng_and_autocast_back(variant: str) -> None:
+    # The replay runs in the forward's RNG and autocast state (bf16 autocast here, the
+    # backward outside it); when the block raises during the replay the error reaches the
+    # caller as it is, and the caller's generator state and autocast state are its own
+    # again, as with torch's checkpoint.
+    calls = []
+
+    def block(x):
+        calls.append(torch.is_autocast_enabled("cpu"))
+        if len(calls) == 2:
+            raise KeyError("replay failed")
+        return F.dropout(x.sin(), 0.5, training=True).exp()
+
+    x = torch.randn(16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run_variant(variant, block, x)
+    torch.randn(10)  # the caller moves on
+    before = torch.get_rng_state()
+    with pytest.raises(KeyError, match="replay failed"):
+        out.sum().backward()
+    assert calls == [True, True]  # the replay ran under the forward's autocast
+    assert torch.equal(torch.get_rng_state(), before)
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # torch's default, untouched
+
+
 def test_preserve_rng_state_false_does_not_restore() -> None:
     torch.manual_seed(0)
     x = torch.randn(64, requires_grad=True)
