@@ -153,8 +153,8 @@ class ReplayEnv:
         info, if any) and put the caller's generator states back, also if an exit raises."""
         saved_cpu, saved_dev, saved_gens, contexts = saved
         try:
-            for ctx in reversed(contexts):
-                ctx.__exit__(*exc)
+            if contexts:
+                _exit_all(contexts, exc)
         finally:
             if saved_cpu is not None:
                 _CPU_GENERATOR.set_state(saved_cpu)
@@ -162,6 +162,20 @@ class ReplayEnv:
                 mod.set_rng_state(state, i)
             for g, state in saved_gens:
                 g.set_state(state)
+
+
+def _exit_all(contexts: list[Any], exc: tuple[Any, ...]) -> None:
+    """Exit ``contexts``, innermost first, each even if one before it raised (an autocast
+    left entered would outlive the replay); the first error is raised once all are out."""
+    error: BaseException | None = None
+    for ctx in reversed(contexts):
+        try:
+            ctx.__exit__(*exc)
+        except BaseException as err:
+            if error is None:
+                error = err
+    if error is not None:
+        raise error
 
 
 # (caller's CPU state or None, [(device module, index, state)], [(generator, state)],

@@ -39,8 +39,9 @@ Rules
    detached alias (an op that saves its own output would otherwise hold its node through
    the packed tensor, a cycle gc cannot see) and the version, checked at unpack, since
    saved-tensor hooks turn autograd's own check off. A new frame's inputs are saved as
-   ``_Plain`` (``_Scope.plain``, raised by the frame's maker): refilled inputs would make the first block's replay replay
-   every block below it at once, holding all their tensors.
+   ``_Plain`` (the frame's maker raises ``_Scope.plain`` meanwhile): refilled inputs would
+   make the first block's replay replay every block below it at once, holding all their
+   tensors.
 
 4. Unpacking a handle whose tensor (or base) is still alive hands it out as is, after the
    version check autograd makes: nothing was saved, so nothing is replayed. Otherwise the

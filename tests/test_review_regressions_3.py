@@ -132,3 +132,29 @@ def test_distributed_check_follows_a_replaced_c10d_world(monkeypatch: pytest.Mon
     assert torch.distributed.is_initialized() is True
     assert _compat.distributed_initialized() is True
     assert _collectives.watch_needed() is True
+
+
+def test_replay_env_leaves_every_context_when_one_exit_raises() -> None:
+    # A replay environment enters the forward's autocast and torch.device contexts; if one
+    # exit raises (here the device context's), the others are left all the same and the
+    # caller's RNG is put back: no autocast outlives the replay.
+    from ckptfx._env import ReplayEnv
+
+    class ExitRaises:
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: object) -> None:
+            raise RuntimeError("device context exit failed")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        env = ReplayEnv([], True)
+    env.device_ctx = ExitRaises()
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="device context exit failed"):
+        with env.restored():
+            assert torch.is_autocast_enabled("cpu")
+            torch.rand(3)
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.equal(torch.get_rng_state(), before)
