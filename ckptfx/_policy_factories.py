@@ -309,6 +309,9 @@ def _check_policy(p: Any, arg: str) -> Callable[..., Any]:
             f"{arg} must be a checkpoint policy (a ckptfx.checkpoint_policies value or a "
             f"torch selective-checkpoint policy function), got {type(p).__name__}"
         )
+    error = checkpoint_function_error(p, arg)
+    if error is not None:
+        raise error
     if not isinstance(p, Policy) and not _takes_ctx_and_op(p):
         raise TypeError(
             f"{arg}: a policy function is called as policy(ctx, op, *args, **kwargs), as "
@@ -317,6 +320,37 @@ def _check_policy(p: Any, arg: str) -> Callable[..., Any]:
             "(ctx, op)"
         )
     return p
+
+
+# Functions that checkpoint (or wrap a module to checkpoint it), by module and name: what a
+# user passes where torch's apply_activation_checkpointing takes checkpoint_wrapper_fn.
+_CHECKPOINT_FUNCTIONS = frozenset({
+    ("torch.utils.checkpoint", "checkpoint"),
+    ("torch.utils.checkpoint", "checkpoint_sequential"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "offload_wrapper"),
+    ("ckptfx.checkpoint", "checkpoint"),
+    ("ckptfx.checkpoint", "checkpoint_wrapper"),
+    ("ckptfx.remat", "remat"),
+})
+
+
+def checkpoint_function_error(p: Any, arg: str, note: str = "") -> TypeError | None:
+    """The ``TypeError`` for a checkpoint function or module wrapper (or a
+    ``functools.partial`` of one) passed as the policy ``arg``, ending with ``note``; None
+    for anything else."""
+    f = p
+    while isinstance(f, functools.partial):
+        f = f.func
+    key = (getattr(f, "__module__", None), getattr(f, "__qualname__", None))
+    if key not in _CHECKPOINT_FUNCTIONS:
+        return None
+    return TypeError(
+        f"{arg} takes what a checkpointed block keeps (a ckptfx.checkpoint_policies value "
+        f"or a torch selective-checkpoint policy function), got the checkpoint function "
+        f"{key[0]}.{key[1]}: ckptfx applies the checkpoint itself. Leave {arg} out for a "
+        f"plain checkpoint, or pass e.g. {arg}=checkpoint_policies.dots_saveable{note}"
+    )
 
 
 _ARITY_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()

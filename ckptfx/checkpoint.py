@@ -29,6 +29,25 @@ noop_context_fn = _torch_checkpoint.noop_context_fn
 _DETERMINISM_CHECKS = ("default", "none")
 
 
+def check_use_reentrant(use_reentrant: Any, who: str) -> None:
+    """ckptfx is non-reentrant only: ``use_reentrant`` may be False or None (torch's default
+    value); True is a ``ValueError`` saying what to do instead, anything else a ``TypeError``."""
+    if use_reentrant is False or use_reentrant is None:
+        return
+    if use_reentrant is True:
+        torchs = ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper."
+                  "checkpoint_wrapper" if who == "checkpoint_wrapper"
+                  else f"torch.utils.checkpoint.{who}")
+        raise ValueError(
+            f"use_reentrant=True is not supported: ckptfx.{who} is non-reentrant only. Pass "
+            f"use_reentrant=False (or omit it), or call {torchs} for the reentrant variant."
+        )
+    raise TypeError(
+        f"use_reentrant must be a bool (False, or omitted: ckptfx is non-reentrant only), "
+        f"got {type(use_reentrant).__name__} {use_reentrant!r}"
+    )
+
+
 def check_options(
     *,
     context_fn: Any = noop_context_fn,
@@ -164,12 +183,8 @@ def checkpoint(
         from ckptfx import checkpoint_policies as cp
         out = ckptfx.checkpoint(block, x, policy=cp.dots_saveable)
     """
-    if use_reentrant:
-        raise ValueError(
-            "use_reentrant=True is not supported: ckptfx.checkpoint is non-reentrant only. "
-            "Pass use_reentrant=False (or omit it), or call torch.utils.checkpoint.checkpoint "
-            "for the reentrant variant."
-        )
+    if use_reentrant is not False:
+        check_use_reentrant(use_reentrant, "checkpoint")
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
     if (policy is None and context_fn is noop_context_fn and debug is False
@@ -447,8 +462,7 @@ def checkpoint_wrapper(module: M, **checkpoint_kwargs: Any) -> M:
                                         "policy"}
     if unknown:
         raise TypeError(f"checkpoint_wrapper got unknown checkpoint options {sorted(unknown)}")
-    if checkpoint_kwargs.pop("use_reentrant", False):
-        raise ValueError("use_reentrant=True is not supported: ckptfx is non-reentrant only")
+    check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", False), "checkpoint_wrapper")
     check_options(**checkpoint_kwargs)
     if checkpoint_kwargs.get("policy", 0) is None:
         del checkpoint_kwargs["policy"]  # policy=None: the plain checkpoint

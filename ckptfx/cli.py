@@ -143,6 +143,14 @@ def _value(text: str) -> Any:
     return text
 
 
+# What the usage error shows after the colon for a factory that takes other than names
+_FACTORY_EXAMPLES = {
+    "memory_budget": "0.3",
+    "save_and_offload_only_these_names":
+        "names_which_can_be_saved=attn,names_which_can_be_offloaded=mlp",
+}
+
+
 def parse_policy(spec: str) -> Any:
     """``NAME`` or ``NAME:ARGS`` -> a ``checkpoint_policies`` policy.
 
@@ -189,8 +197,9 @@ def parse_policy(spec: str) -> Any:
     needs_args = any(q.kind is q.VAR_POSITIONAL or q.default is q.empty
                      for q in sig.parameters.values())
     if needs_args and not args and not kwargs:
+        example = _FACTORY_EXAMPLES.get(name, "attn,mlp")
         raise UsageError(f"--policy: {name} is a factory that needs arguments {sig}; write "
-                         f"them after a colon, e.g. --policy {name}:attn,mlp")
+                         f"them after a colon, e.g. --policy {name}:{example}")
     try:
         return chosen(*args, **kwargs)
     except (TypeError, ValueError) as err:

@@ -30,6 +30,7 @@ from typing import Any, Callable, TypeVar
 from torch import nn
 
 from .checkpoint import checkpoint, checkpoint_wrapper
+from ._policy_factories import checkpoint_function_error
 from .policies import check_policy
 from .budget import MemoryBudget, memory_budget_policies
 
@@ -93,6 +94,12 @@ def apply_activation_checkpointing(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if policy is not None:
+        error = checkpoint_function_error(
+            policy, "policy", ". (torch's apply_activation_checkpointing takes a "
+            "checkpoint_wrapper_fn second; ckptfx's second argument is the policy, and "
+            "check_fn= chooses the blocks.)")
+        if error is not None:
+            raise error
         check_policy(policy, "policy")
     if check_fn is not None and not callable(check_fn):
         raise TypeError(

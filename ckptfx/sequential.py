@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .checkpoint import checkpoint
+from .checkpoint import check_use_reentrant, checkpoint
 from .remat import remat
 from ._collector import forward_to_outer_collector, recompute_handle_collector_ctx
 
@@ -92,10 +92,7 @@ def checkpoint_sequential(functions: Any, segments: int, input: torch.Tensor,
         out = ckptfx.checkpoint_sequential(model, 4, x)
         out.sum().backward()
     """
-    if use_reentrant:
-        raise ValueError(
-            "use_reentrant=True is not supported: ckptfx.checkpoint_sequential is "
-            "non-reentrant only. Pass use_reentrant=False (or omit it).")
+    check_use_reentrant(use_reentrant, "checkpoint_sequential")
     preserve = kwargs.pop("preserve_rng_state", True)
     if kwargs:
         raise ValueError("Unexpected keyword arguments: " + ",".join(arg for arg in kwargs))

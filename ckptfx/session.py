@@ -39,6 +39,8 @@ import threading
 import weakref
 from typing import Any, Callable, Hashable
 
+import torch
+
 from . import _compat
 from ._collector import RecomputeHandle, recompute_handle_collector_ctx, used_twice
 from ._distributed import before_prefire
@@ -143,15 +145,43 @@ class SessionStats:
 # -- sessions -------------------------------------------------------------------------------
 
 
-def _check_session_id(session_id: Any) -> None:
+def check_session_id(session_id: Any, what: str = "session_id") -> None:
+    """A ``ValueError`` naming ``what`` unless ``session_id`` can key a recompute session:
+    hashable, not None, and holding no tensor (a tensor hashes by its identity, so two
+    ``torch.tensor(0)`` would name two sessions, and a later clear could not name either)."""
+    if type(session_id) is int or type(session_id) is str:  # the common keys, at once
+        return
+    expected = f"{what} must be a hashable key (an int, str or tuple)"
     if session_id is None:
-        raise ValueError("session_id must be a hashable key (an int, str or tuple), got None")
+        raise ValueError(f"{expected}, got None")
+    if _holds_tensor(session_id):
+        got = "a tensor" if isinstance(session_id, torch.Tensor) else "a tuple holding a tensor"
+        raise ValueError(
+            f"{expected}, got {got}: a tensor hashes by identity, so two equal tensors name "
+            "two sessions; pass int(t) (or t.item()) instead"
+        )
     try:
         hash(session_id)
     except TypeError:
-        raise ValueError(
-            f"session_id must be hashable, got an unhashable {type(session_id).__name__}"
-        ) from None
+        raise ValueError(f"{expected}, got {_unhashable_part(session_id)}") from None
+
+
+def _holds_tensor(key: Any) -> bool:
+    if isinstance(key, torch.Tensor):
+        return True
+    return isinstance(key, tuple) and any(_holds_tensor(k) for k in key)
+
+
+def _unhashable_part(key: Any) -> str:
+    """``an unhashable list``, or for a tuple the element that is: ``a tuple holding an
+    unhashable list``."""
+    if isinstance(key, tuple):
+        for k in key:
+            try:
+                hash(k)
+            except TypeError:
+                return f"a tuple holding {_unhashable_part(k)}"
+    return f"an unhashable {type(key).__name__}"
 
 
 def _session(session_id: Hashable) -> Session:
@@ -286,7 +316,7 @@ class _SessionContext(contextlib.ContextDecorator):
             raise used_twice("recompute_session_ctx")
         self.entered = True
         session_id, retain_on_unpack = self.session_id, self.retain
-        _check_session_id(session_id)
+        check_session_id(session_id)
         if not isinstance(retain_on_unpack, bool):
             raise ValueError(
                 f"retain_on_unpack must be a bool, got {type(retain_on_unpack).__name__}"
@@ -383,7 +413,7 @@ def _register_handle(handle: RecomputeHandle, session_id: Hashable
             "handle must be a RecomputeHandle from ckptfx.recompute_handle_collector_ctx(), "
             f"got {type(handle).__name__}"
         )
-    _check_session_id(session_id)
+    check_session_id(session_id)
     ref = getattr(handle, "_frame", None)
     if ref is None:
         raise ValueError(
@@ -439,7 +469,7 @@ def clear_recompute_session(session_id: Hashable) -> None:
         finally:
             ckptfx.clear_recompute_session("mb0")
     """
-    _check_session_id(session_id)
+    check_session_id(session_id)
     for listener in _clear_listeners:
         listener(session_id)
     with _lock:

@@ -77,6 +77,7 @@ from ._weight_pass import weight_pass
 from .frame import CheckpointError, tls
 from .session import (
     RecomputeHandle,
+    check_session_id,
     recompute_handle,
     recompute_handle_collector_ctx,
     recompute_session_ctx,
@@ -103,6 +104,18 @@ def _check_fun(fun: Any, has_aux: Any, who: str) -> None:
         raise TypeError(f"{who}: has_aux must be a bool, got {type(has_aux).__name__}")
 
 
+def _describe_output(out: Any) -> str:
+    """``out`` for an error message, without a tensor's values: ``a torch.float32 tensor of
+    shape (4, 8)``, ``a tuple of 2: (...)``."""
+    if isinstance(out, torch.Tensor):
+        return f"a {out.dtype} tensor of shape {tuple(out.shape)}"
+    if isinstance(out, (tuple, list)):
+        inner = ", ".join(_describe_output(o) for o in out[:4])
+        return f"a {type(out).__name__} of {len(out)}: ({inner}{', ...' if len(out) > 4 else ''})"
+    text = repr(out)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class _Split:
     """State of one split: the graph, the session, the captured gradients (see Rules)."""
 
@@ -118,17 +131,15 @@ class _Split:
         who: str,
     ) -> None:
         _check_fun(fun, has_aux, who)
+        if not args:
+            call = ("dx_fn(*args, session=...) with fun's arguments" if who == "grad_split"
+                    else f"{who}(fun, *primals), as jax.vjp(fun, *primals)")
+            raise TypeError(f"{who}: no primals given; call {call}")
         nums, self.x_single = _normalize_argnums(x_argnums, len(args))
         if session is None:
             session = _split_keys.SplitKey()
         else:
-            try:
-                hash(session)
-            except TypeError:
-                raise ValueError(
-                    f"{who}: session must be hashable (an int, str or tuple), got an unhashable "
-                    f"{type(session).__name__}"
-                ) from None
+            check_session_id(session, f"{who}: session")
         param_list = check_params(params, who)
         self.who = who
         self.key = session
@@ -537,19 +548,8 @@ def grad_split(
     splits: dict[Hashable, _Split | None] = {}
     lock = threading.Lock()
 
-    def check_session(session: Any, fn: str) -> None:
-        if session is None:
-            raise ValueError(f"grad_split {fn}: session must be a hashable key, got None")
-        try:
-            hash(session)
-        except TypeError:
-            raise ValueError(
-                f"grad_split {fn}: session must be hashable, got an unhashable "
-                f"{type(session).__name__}"
-            ) from None
-
     def dx_fn(*args: Any, session: Hashable, **kwargs: Any) -> Any:
-        check_session(session, "dx_fn")
+        check_session_id(session, "grad_split dx_fn: session")
         with lock:
             if session in splits:
                 raise CheckpointError(
@@ -567,7 +567,7 @@ def grad_split(
                 raise TypeError(
                     "grad_split: fun must return a scalar tensor that requires grad"
                     + (" as the first element of (value, aux)" if has_aux else "")
-                    + f", got {split.out!r}"
+                    + f", got {_describe_output(split.out)}"
                     + ("; it returned a pair: if the second element is auxiliary data, pass "
                        "has_aux=True" if pair else "")
                 )
@@ -582,7 +582,7 @@ def grad_split(
         return value, dx
 
     def dw_fn(session: Hashable) -> Any:
-        check_session(session, "dw_fn")
+        check_session_id(session, "grad_split dw_fn: session")
         with lock:
             running = session in splits and splits[session] is None
             split = splits.get(session)

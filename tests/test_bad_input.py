@@ -572,3 +572,104 @@ def test_grad_split_hints_has_aux_for_a_pair() -> None:
     with pytest.raises(TypeError, match="it returned a pair: .* pass has_aux=True"):
         dx_fn(torch.randn(3), session="aux")
     assert not ckptfx.recompute_session_stats()
+
+
+# -- what users bring from torch and JAX (a new user's trial, issue 17's tenth session) ------
+
+
+def _tiny_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(3)])
+
+
+def test_a_checkpoint_function_where_the_policy_goes_is_refused_at_once() -> None:
+    # torch's apply_activation_checkpointing takes checkpoint_wrapper_fn second; ckptfx's
+    # second argument is the policy. A checkpoint function or wrapper there used to be
+    # accepted and fail inside torch at the first forward.
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper as torch_wrapper)
+
+    model = _tiny_model()
+    for wrong in (torch_wrapper, functools.partial(torch_wrapper, preserve_rng_state=True),
+                  ckptfx.checkpoint, ckptfx.checkpoint_wrapper,
+                  torch.utils.checkpoint.checkpoint):
+        with pytest.raises(TypeError, match=r"policy takes what a checkpointed block keeps.*"
+                           r"got the checkpoint function .*checkpoint_wrapper_fn second"):
+            ckptfx.apply_activation_checkpointing(model, wrong)
+    assert all(type(m).__name__ in ("Sequential", "Linear", "ReLU") for m in model.modules())
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(TypeError, match="got the checkpoint function ckptfx.checkpoint.checkpoint"):
+        ckptfx.remat(torch.sin, policy=ckptfx.checkpoint)
+    with pytest.raises(TypeError, match="got the checkpoint function torch.utils.checkpoint"):
+        ckptfx.checkpoint(torch.sin, x, policy=torch.utils.checkpoint.checkpoint)
+    assert_clean()
+
+
+@pytest.mark.parametrize("key, got", [
+    (torch.tensor(0), "got a tensor: a tensor hashes by identity"),
+    (("stage0", torch.tensor(1)), "got a tuple holding a tensor"),
+    (("stage0", [1]), "got a tuple holding an unhashable list"),
+    (None, "got None"),
+])
+def test_session_keys_that_cannot_name_a_session_are_refused_everywhere(key: object,
+                                                                       got: str) -> None:
+    # Two torch.tensor(0) hash differently, so a tensor key named a new session on every
+    # call and could not be cleared; every entry point refuses it with the same words.
+    x = torch.randn(3, requires_grad=True)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = ckptfx.checkpoint(torch.sin, x)
+    calls = [
+        ("session_id", lambda: ckptfx.recompute_handle(handles[0], key)),
+        ("session_id", lambda: ckptfx.recompute_session_ctx(key).__enter__()),
+        ("session_id", lambda: ckptfx.clear_recompute_session(key)),
+        ("grad_split dx_fn: session",
+         lambda: ckptfx.grad_split(lambda v: v.sin().sum())[0](x, session=key)),
+    ]
+    if key is not None:  # vjp_split's session=None is its own fresh key
+        calls.append(("vjp_split: session", lambda: ckptfx.vjp_split(torch.sin, x, session=key)))
+    for what, call in calls:
+        with pytest.raises(ValueError, match=rf"^{what} must be a hashable key.*{got}"):
+            call()
+    out.sum().backward()  # the frame was left as it was: a plain backward
+    assert torch.equal(x.grad, x.cos())
+    assert_clean()
+
+
+def test_split_without_primals_says_so() -> None:
+    with pytest.raises(TypeError, match=r"^vjp_split: no primals given; call "
+                       r"vjp_split\(fun, \*primals\)"):
+        ckptfx.vjp_split(torch.sin)
+    dx_fn, dw_fn = ckptfx.grad_split(lambda v: v.sin().sum())
+    with pytest.raises(TypeError, match=r"^grad_split: no primals given; call dx_fn"):
+        dx_fn(session="mb")
+    x = torch.randn(3, requires_grad=True)
+    dx_fn(x, session="mb")  # the session key was not taken by the failed call
+    dw_fn(session="mb")
+    assert_clean()
+
+
+def test_grad_split_non_scalar_error_shows_shape_not_values() -> None:
+    x = torch.full((4, 8), 0.123456789, requires_grad=True)
+    dx_fn, _ = ckptfx.grad_split(lambda v: v * 2)
+    with pytest.raises(TypeError, match=r"got a torch.float32 tensor of shape \(4, 8\)$") as info:
+        dx_fn(x, session=0)
+    assert "0.24" not in str(info.value)
+    assert_clean()
+
+
+@pytest.mark.parametrize("value", ["False", 0, 1.0])
+def test_use_reentrant_must_be_a_bool(value: object) -> None:
+    x = torch.randn(3, requires_grad=True)
+    message = rf"use_reentrant must be a bool .* got {type(value).__name__} {value!r}"
+    with pytest.raises(TypeError, match=message):
+        ckptfx.checkpoint(torch.sin, x, use_reentrant=value)
+    with pytest.raises(TypeError, match=message):
+        ckptfx.checkpoint_sequential(torch.nn.Sequential(torch.nn.Identity()), 1, x,
+                                     use_reentrant=value)
+    with pytest.raises(TypeError, match=message):
+        ckptfx.checkpoint_wrapper(torch.nn.Linear(3, 3), use_reentrant=value)
+    for ok in (False, None):
+        assert torch.equal(ckptfx.checkpoint(torch.sin, x, use_reentrant=ok), x.sin())
+    assert_clean()

@@ -144,6 +144,19 @@ def test_parse_policy_factories_with_arguments() -> None:
         cp.save_from_both_policies(cp.dots_saveable, cp.everything_saveable))
 
 
+@pytest.mark.parametrize("factory", ["save_only_these_names", "memory_budget",
+                                     "save_and_offload_only_these_names"])
+def test_a_factory_without_arguments_shows_an_example_that_parses(factory: str) -> None:
+    # The usage error's example is written for the factory (memory_budget takes a
+    # fraction, not names), and the example itself is accepted.
+    with pytest.raises(cli.UsageError, match=f"{factory} is a factory that needs arguments"
+                       ) as info:
+        cli.parse_policy(factory)
+    example = str(info.value).rsplit("--policy ", 1)[1]
+    assert example.startswith(f"{factory}:")
+    assert callable(cli.parse_policy(example))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["residuals", "--policy", "no_such_policy"],
      "--policy: unknown policy 'no_such_policy'; expected one of"),
