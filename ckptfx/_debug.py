@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from typing import Any, NoReturn
 
@@ -11,6 +12,8 @@ from ._compat import TorchDispatchMode
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_MARKERS = (os.sep + "torch" + os.sep, os.sep + "contextlib.py")
+# Libraries whose frames sit between the user's call and a checkpointed block's forward
+_LIBRARY_MARKERS = (*_TORCH_MARKERS, os.sep + "transformers" + os.sep)
 _USER_FILES_IN_PACKAGE = (os.path.join(_PACKAGE_DIR, "cli.py"),)  # the demo's blocks
 
 
@@ -25,6 +28,22 @@ def user_call_site(skip_dirs: tuple[str, ...] = ()) -> str:
             continue
         return f"{os.path.basename(name)}:{entry.lineno} ({entry.name})"
     return "<unknown>"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by this function's caller point at the
+    user's code: the innermost frame outside ckptfx, torch and transformers (a checkpointed
+    module's forward is reached through ``nn.Module.__call__`` and Hugging Face's layers)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None:
+        name = frame.f_code.co_filename
+        if not ((name.startswith(_PACKAGE_DIR) and name not in _USER_FILES_IN_PACKAGE)
+                or any(m in name for m in _LIBRARY_MARKERS)):
+            break
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 class OpLog(TorchDispatchMode):

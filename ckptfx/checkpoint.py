@@ -18,7 +18,8 @@ from ._function_replay import rerun_function
 from .frame import (NULL_CONTEXT, CheckpointError, Frame, refuse_new_frame_in_scheduled_replay,
                     tls, unpack_hook)
 from .refill import first_node, scope_on_top
-from .policies import NameCheck, NothingSaveable, check_policy, name_check, nothing_saveable
+from .policies import (NameCheck, NothingSaveable, check_policy, name_check, nothing_saveable,
+                       shared_name_check)
 from ._collector import collect, uncollect
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
@@ -235,6 +236,8 @@ def run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         policy = policy_under_func(options.get("context_fn", noop_context_fn),
                                    options.get("debug", False))
     if policy is not None:
+        if names is None and not compiling:  # checkpoint(fn, policy=...): the block's check
+            names = shared_name_check(function, policy)
         return run_with_policy(function, args, kwargs, policy=policy,
                                early_stop=options.get("early_stop", True), names=names)
     if compiling:
@@ -292,9 +295,10 @@ def run_with_policy(function: Callable[..., Any], args: tuple[Any, ...],
                     names: NameCheck | None = None) -> Any:
     """A checkpoint call with a policy: one ``remat`` call (options already checked).
 
-    ``names`` is the unused-name check of a ``checkpoint_wrapper``'d module (one per module);
-    a bare ``checkpoint(fn, policy=...)`` call has none, since each call may be a new
-    function (Hugging Face passes a fresh ``functools.partial`` per layer call).
+    ``names`` is the unused-name check: a ``checkpoint_wrapper``'d module's own, or for a
+    bare ``checkpoint(fn, policy=...)`` call the block's shared one (``shared_name_check``:
+    each call may pass a new function, as Hugging Face passes a new ``functools.partial``
+    per layer call).
     """
     if _compat.is_compiling():  # as remat under compile (ckptfx._compile, Rule 1)
         return _compile.lower(function, _compile.policy_context_fn(policy), args, kwargs,

@@ -23,8 +23,13 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
+
+from torch import nn
+
+from ._debug import user_stacklevel
 
 # Re-exported: the names callers import from ckptfx.policies.
 from ._checkpoint_name import NameScope, _name_scopes, checkpoint_name
@@ -178,9 +183,8 @@ class NameCheck:
         unused = self.names - scope.seen
         if not unused:
             return
-        code = getattr(fun, "__code__", None)
+        block, code = _block_of(fun)
         where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
-        block = getattr(fun, "__qualname__", None) or type(fun).__name__
         used = f"; the names it used: {sorted(scope.seen)}" if scope.seen else (
             "; it used no checkpoint_name at all")
         warnings.warn(
@@ -189,13 +193,56 @@ class NameCheck:
             f"used {'this name' if len(unused) == 1 else 'these names'}, so "
             f"{'it has' if len(unused) == 1 else 'they have'} no effect{used}. Check the "
             "spelling, or tag the value: ckptfx.checkpoint_name(x, name). "
-            "(Warned once per remat'd function.)",
+            "(Warned once per remat'd function or block.)",
             UnusedNameWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
+
+
+def _block_of(fun: Callable[..., Any]) -> tuple[str, Any]:
+    """The block's name and the code object of its forward, through ``functools.partial``
+    and bound methods: a module's call names its class (the class it had before
+    ``checkpoint_wrapper``), Hugging Face's ``partial(layer.__call__, ...)`` included."""
+    fun, module_class = _unwrap_block(fun)
+    if module_class is not None:
+        return module_class.__name__, getattr(module_class.forward, "__code__", None)
+    return (getattr(fun, "__qualname__", None) or type(fun).__name__,
+            getattr(fun, "__code__", None))
+
+
+def _unwrap_block(fun: Any) -> tuple[Any, type | None]:
+    """``fun`` without its ``functools.partial`` layers, and the class of the module it
+    calls (a module, or a method bound to one), as it was before ``checkpoint_wrapper``."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    owner = fun if isinstance(fun, nn.Module) else getattr(fun, "__self__", None)
+    if not isinstance(owner, nn.Module):
+        return fun, None
+    return fun, getattr(owner, "_ckptfx_original_class", type(owner))
+
+
+# The unused-name checks of checkpoint(fn, policy=...) calls, by block and names: such a
+# call may pass a new function each time (Hugging Face passes a new partial of the layer's
+# __call__ per call), so the check is the block's: its module class, else its code.
+_SHARED_CHECKS: dict[tuple[Any, frozenset[str]], NameCheck] = {}
 
 
 def name_check(policy: Any) -> NameCheck | None:
     """A ``NameCheck`` for a policy that refers to names, else None (nothing to check)."""
     names = referenced_names(policy)
     return NameCheck(names, policy) if names else None
+
+
+def shared_name_check(fun: Callable[..., Any], policy: Any) -> NameCheck | None:
+    """The ``NameCheck`` of a ``checkpoint(fun, policy=...)`` call: one per block (its
+    module class, else its function's code) and set of names, so the warning comes once
+    for a block however it is passed. None for a policy that names nothing."""
+    names = referenced_names(policy)
+    if not names:
+        return None
+    f, module_class = _unwrap_block(fun)
+    key = (module_class or getattr(f, "__code__", None) or type(f), names)
+    check = _SHARED_CHECKS.get(key)
+    if check is None:
+        check = _SHARED_CHECKS[key] = NameCheck(names, policy)
+    return check

@@ -291,6 +291,40 @@ def test_checkpoint_wrapper_name_policy_warns_once_per_module() -> None:
         block(x).sum().backward()
 
 
+def test_bare_checkpoint_name_policy_warns_once_per_block_at_the_users_line() -> None:
+    # checkpoint(fn, policy=...) may get a new function or partial on every call (Hugging
+    # Face passes a new partial of the layer's __call__); the check is the block's, so one
+    # misspelt name warns once for the block, pointing at the call in this file.
+    import functools
+
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(2, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ckptfx.checkpoint(functools.partial(block.__call__), x,
+                              policy=cp.save_only_these_names("atn_out")).sum().backward()
+    unused = [w for w in record if w.category is ckptfx.UnusedNameWarning]
+    assert len(unused) == 1
+    assert "of block Block (" in str(unused[0].message) and "['atn_out']" in str(unused[0].message)
+    assert unused[0].filename == __file__
+
+
+def test_hugging_face_layers_warn_about_a_name_their_forward_never_tags() -> None:
+    model = _hf_model("llama")
+    ckptfx.apply_activation_checkpointing(model, policy=cp.save_only_these_names("attn"))
+    ids = torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    unused = [w for w in record if w.category is ckptfx.UnusedNameWarning]
+    assert len(unused) == 1  # once for the layer class, not per layer or per step
+    assert "of block LlamaDecoderLayer" in str(unused[0].message)
+    assert unused[0].filename == __file__
+
+
 def test_checkpoint_policy_under_torch_compile_matches_eager() -> None:
     """Under torch.compile the policy is handed to torch's checkpoint as a selective
     checkpoint context (aot_eager: the partitioner, without the C++ compiler), made by the
