@@ -7,8 +7,10 @@ with the blocks found for you. Rules:
 1. **Which blocks.** ``check_fn(module)`` when given; otherwise, in this order, the first
    that finds any: Hugging Face ``GradientCheckpointingLayer``s (the decoder/encoder
    layers), the modules in timm's ``blocks`` containers, the modules of the model's largest
-   ``nn.ModuleList`` whose modules all have one type. Only the outermost matches are
-   wrapped (a checkpoint inside a checkpoint only adds replays), never the model itself.
+   ``nn.ModuleList`` whose modules all have one type; other lists of repeated blocks that
+   this last rule leaves plain (an encoder-decoder's second stack) are named in a warning
+   with the ``check_fn`` that takes them all. Only the outermost matches are wrapped (a
+   checkpoint inside a checkpoint only adds replays), never the model itself.
 2. **How.** Hugging Face layers through their own hook (``gradient_checkpointing`` and
    ``_gradient_checkpointing_func``, the attributes ``model.gradient_checkpointing_enable``
    sets), so that Hugging Face keeps doing what it does around a checkpointed layer: no
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from typing import Any, Callable, TypeVar
 
 from torch import nn
@@ -116,7 +119,22 @@ def apply_activation_checkpointing(
     if memory_budget is not None:
         MemoryBudget(memory_budget)  # the fraction's checks, before anything changes
     if check_fn is None:
-        blocks = find_blocks(model)
+        blocks, by_largest_list = _find_blocks(model)
+        if by_largest_list:
+            left = _other_repeated_blocks(model, blocks)
+            if left:
+                shown = ", ".join(f"{name} ({len(m)} x {type(m[0]).__name__})"
+                                  for name, m in left)
+                kinds = ", ".join(dict.fromkeys(
+                    t.__name__ for t in (type(blocks[0]), *(type(m[0]) for _, m in left))))
+                warnings.warn(
+                    f"apply_activation_checkpointing checkpoints the {len(blocks)} "
+                    f"{type(blocks[0]).__name__} modules of the largest nn.ModuleList and "
+                    f"leaves these repeated blocks plain: {shown}. To checkpoint them too, "
+                    f"say which modules are blocks: check_fn=lambda m: isinstance(m, "
+                    f"({kinds}))",
+                    stacklevel=2,
+                )
     else:
         blocks = _outermost(model, lambda m: bool(check_fn(m)))
         if not blocks:
@@ -157,24 +175,24 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return _find_blocks(model)[0]
+
+
+def _find_blocks(model: nn.Module) -> tuple[list[nn.Module], bool]:
+    """``find_blocks``, and whether the largest-list rule (the last one) found them."""
     layer_class = _hf_layer_class()
     if layer_class is not None:
         found = _outermost(model, lambda m: isinstance(m, layer_class))
         if found:
-            return found
+            return found, False
     if type(model).__module__.split(".")[0] == "timm":
         containers = [m for m in model.modules()
                       if isinstance(getattr(m, "blocks", None), (nn.Sequential, nn.ModuleList))]
         members = {id(b) for c in containers for b in c.blocks}  # type: ignore[union-attr]
         found = _outermost(model, lambda m: id(m) in members)
         if found:
-            return found
-    best: nn.ModuleList | None = None
-    for m in model.modules():
-        if (isinstance(m, nn.ModuleList) and len(m) > 0
-                and len({type(b) for b in m}) == 1
-                and (best is None or len(m) > len(best))):
-            best = m
+            return found, False
+    best = _largest_list(model)
     if best is None:
         raise ValueError(
             f"apply_activation_checkpointing found no repeated blocks in "
@@ -182,7 +200,36 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             "'blocks', and no nn.ModuleList of modules of one type. Say which modules to "
             "checkpoint: check_fn=lambda m: isinstance(m, MyBlock)"
         )
-    return list(best)
+    return list(best), True
+
+
+def _one_type_lists(model: nn.Module) -> list[nn.ModuleList]:
+    return [m for m in model.modules()
+            if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(b) for b in m}) == 1]
+
+
+def _largest_list(model: nn.Module) -> nn.ModuleList | None:
+    best: nn.ModuleList | None = None
+    for m in _one_type_lists(model):
+        if best is None or len(m) > len(best):
+            best = m
+    return best
+
+
+def _other_repeated_blocks(model: nn.Module, blocks: list[nn.Module]
+                           ) -> list[tuple[str, nn.ModuleList]]:
+    """The other lists of repeated blocks (two or more modules of one type that have
+    submodules of their own) that ``blocks``, found by the largest-list rule, leave out
+    (an encoder-decoder's second stack), with their names."""
+    covered = {id(m) for b in blocks for m in b.modules()}
+    chosen = {id(b) for b in blocks}
+    names = {id(m): name for name, m in model.named_modules()}
+    left = []
+    for m in _one_type_lists(model):
+        if (len(m) >= 2 and id(m) not in covered and not any(id(b) in chosen for b in m)
+                and next(iter(m[0].children()), None) is not None):
+            left.append((names.get(id(m), "?"), m))
+    return left
 
 
 def _outermost(model: nn.Module, match: Callable[[nn.Module], bool]) -> list[nn.Module]:

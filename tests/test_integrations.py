@@ -80,6 +80,42 @@ def test_find_blocks_takes_the_largest_module_list_of_one_type() -> None:
     assert find_blocks(net) == list(net.blocks)  # not `heads` (shorter), not `mixed` (types)
 
 
+class _Encoder(Block):
+    pass
+
+
+class _EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.ModuleList([_Encoder() for _ in range(3)])
+        self.dec = nn.ModuleList([Block() for _ in range(2)])
+        self.heads = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])  # leaves: no warning
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in (*self.enc, *self.dec):
+            x = m(x)
+        return self.heads[0](x)
+
+
+def test_a_second_stack_of_blocks_left_plain_is_named_in_a_warning() -> None:
+    # The largest-list rule finds one stack; an encoder-decoder's other stack stays plain,
+    # and the warning says which, and the check_fn that takes both.
+    model = _EncoderDecoder()
+    with pytest.warns(UserWarning, match=r"checkpoints the 3 _Encoder modules .* leaves these "
+                      r"repeated blocks plain: dec \(2 x Block\).*check_fn=lambda m: "
+                      r"isinstance\(m, \(_Encoder, Block\)\)") as record:
+        ckptfx.apply_activation_checkpointing(model)
+    assert record[0].filename == __file__
+    assert all(type(b) is not _Encoder for b in model.enc)
+    assert all(type(b) is Block for b in model.dec)
+    both = _EncoderDecoder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckptfx.apply_activation_checkpointing(both, check_fn=lambda m: isinstance(m, Block))
+        ckptfx.apply_activation_checkpointing(Net())  # its other lists are leaves or mixed
+    assert all(type(b) is not _Encoder and type(b) is not Block for b in (*both.enc, *both.dec))
+
+
 def test_find_blocks_without_repeated_blocks_says_to_pass_check_fn() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with pytest.raises(ValueError, match="check_fn=lambda m: isinstance"):
