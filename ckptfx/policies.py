@@ -205,7 +205,8 @@ def _block_of(fun: Callable[..., Any]) -> tuple[str, Any]:
     ``checkpoint_wrapper``), Hugging Face's ``partial(layer.__call__, ...)`` included."""
     fun, module_class = _unwrap_block(fun)
     if module_class is not None:
-        return module_class.__name__, getattr(module_class.forward, "__code__", None)
+        forward = getattr(module_class, "forward", None)
+        return module_class.__name__, getattr(forward, "__code__", None)
     return (getattr(fun, "__qualname__", None) or type(fun).__name__,
             getattr(fun, "__code__", None))
 
