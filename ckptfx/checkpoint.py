@@ -30,6 +30,16 @@ noop_context_fn = _torch_checkpoint.noop_context_fn
 _DETERMINISM_CHECKS = ("default", "none")
 
 
+class _NoFunction:
+    """``checkpoint``'s default for ``function``: none was given (a decorator call)."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_NO_FUNCTION: Any = _NoFunction()
+
+
 def check_use_reentrant(use_reentrant: Any, who: str) -> None:
     """ckptfx is non-reentrant only: ``use_reentrant`` may be False or None (torch's default
     value); True is a ``ValueError`` saying what to do instead, anything else a ``TypeError``."""
@@ -95,7 +105,7 @@ def check_options(
 
 
 def checkpoint(
-    function: Callable[..., Any],
+    function: Callable[..., Any] = _NO_FUNCTION,
     *args: Any,
     use_reentrant: bool | None = False,
     context_fn: Callable[[], tuple[ContextManager, ContextManager]] = noop_context_fn,
@@ -184,6 +194,14 @@ def checkpoint(
         from ckptfx import checkpoint_policies as cp
         out = ckptfx.checkpoint(block, x, policy=cp.dots_saveable)
     """
+    if function is _NO_FUNCTION:  # @checkpoint(policy=...), jax.checkpoint's decorator form
+        raise TypeError(
+            "checkpoint() missing 1 required positional argument: 'function'. "
+            "ckptfx.checkpoint(function, *args) calls function(*args) now, as torch's "
+            "checkpoint does; to make a checkpointed function to call later (jax.checkpoint's "
+            "way, or as a decorator), use ckptfx.remat(function, policy=...) or "
+            "@ckptfx.remat(policy=...)"
+        )
     if use_reentrant is not False:
         check_use_reentrant(use_reentrant, "checkpoint")
     if not callable(function):

@@ -64,6 +64,7 @@ def remat(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     always_record: bool = False,
+    prevent_cse: bool = True,
 ) -> Any:
     """Make ``fun`` rematerialize: keep only what ``policy`` allows, recompute the rest.
 
@@ -104,6 +105,9 @@ def remat(
             in the backward, where it reads Python state that may change before the
             backward, or where a later call may draw from an explicit generator the first
             did not (its replay would raise a ``CheckpointError``).
+        prevent_cse: accepted for code written for ``jax.checkpoint``; eager PyTorch does
+            no common-subexpression elimination that could merge a replay with the
+            forward, so it changes nothing (a bool, as in JAX).
 
     Bad input is refused at once, with what to write instead: a policy passed where the
     function goes (``remat(cp.dots_saveable)``: write ``remat(policy=cp.dots_saveable)``)
@@ -138,6 +142,8 @@ def remat(
         raise TypeError(f"early_stop must be a bool, got {type(early_stop).__name__}")
     if not isinstance(always_record, bool):
         raise TypeError(f"always_record must be a bool, got {type(always_record).__name__}")
+    if not isinstance(prevent_cse, bool):
+        raise TypeError(f"prevent_cse must be a bool, got {type(prevent_cse).__name__}")
     nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
     for n in nums:

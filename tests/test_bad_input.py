@@ -560,6 +560,9 @@ def test_checkpoint_without_arguments_says_it_is_not_a_decorator() -> None:
             ckptfx.checkpoint(block, policy=policy)
         assert "use ckptfx.remat(function, policy=...)" in "".join(
             getattr(info.value, "__notes__", ["use ckptfx.remat(function, policy=...)"]))
+    with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'function'"
+                       r".*use ckptfx.remat\(function, policy=...\) or @ckptfx.remat"):
+        ckptfx.checkpoint(policy=cp.dots_saveable)  # jax.checkpoint's decorator form
     w = torch.randn(3, requires_grad=True)
     out = ckptfx.checkpoint(lambda: (w * 2).sin())
     out.sum().backward()
@@ -672,4 +675,16 @@ def test_use_reentrant_must_be_a_bool(value: object) -> None:
         ckptfx.checkpoint_wrapper(torch.nn.Linear(3, 3), use_reentrant=value)
     for ok in (False, None):
         assert torch.equal(ckptfx.checkpoint(torch.sin, x, use_reentrant=ok), x.sin())
+    assert_clean()
+
+
+def test_remat_takes_jaxs_prevent_cse_and_it_changes_nothing() -> None:
+    # Code ported from jax.checkpoint(f, prevent_cse=False) runs as it is.
+    x = torch.randn(4, 4, requires_grad=True)
+    for value in (True, False):
+        block = ckptfx.remat(_named_block, policy=cp.dots_saveable, prevent_cse=value)
+        got = torch.autograd.grad(block(x).sum(), x)
+        assert_bitwise(list(got), list(torch.autograd.grad(_named_block(x).sum(), x)))
+    with pytest.raises(TypeError, match="prevent_cse must be a bool, got str"):
+        ckptfx.remat(_named_block, prevent_cse="no")
     assert_clean()
