@@ -327,6 +327,25 @@ def test_checkpoint_wrapper_name_policy_warns_once_per_module() -> None:
         block(x).sum().backward()
 
 
+def test_a_wrapped_module_keeps_its_forward_signature_for_reports_and_tools() -> None:
+    # inspect.signature(module.forward) is what tools (and residual reports) read; a
+    # wrapped module's forward shows the plain one's, and the report names the argument as
+    # remat(module) does.
+    import inspect
+
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    wrapped = ckptfx.checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.ReLU()),
+                                        policy=cp.dots_saveable)
+    assert inspect.signature(wrapped.forward) == inspect.signature(plain.forward)
+    x = torch.randn(2, 4, requires_grad=True)
+    def arguments(fun: Any) -> list[str]:
+        return [r.source for r in ckptfx.saved_residuals(fun, x)
+                if r.source.startswith("from the argument")]
+
+    assert arguments(wrapped) == arguments(ckptfx.remat(plain, policy=cp.dots_saveable))
+    assert arguments(wrapped) == ["from the argument input"]
+
+
 def test_bare_checkpoint_name_policy_warns_once_per_block_at_the_users_line() -> None:
     # checkpoint(fn, policy=...) may get a new function or partial on every call (Hugging
     # Face passes a new partial of the layer's __call__); the check is the block's, so one
