@@ -495,11 +495,16 @@ def checkpoint_wrapper(module: M, **checkpoint_kwargs: Any) -> M:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    unknown = set(checkpoint_kwargs) - {"context_fn", "determinism_check", "debug",
-                                        "preserve_rng_state", "early_stop", "use_reentrant",
-                                        "policy"}
+    accepted = ("context_fn", "determinism_check", "debug", "preserve_rng_state", "early_stop",
+                "use_reentrant", "policy")
+    unknown = set(checkpoint_kwargs) - set(accepted)
     if unknown:
-        raise TypeError(f"checkpoint_wrapper got unknown checkpoint options {sorted(unknown)}")
+        torchs = {"checkpoint_impl", "checkpoint_fn"} & unknown
+        raise TypeError(
+            f"checkpoint_wrapper got unknown checkpoint options {sorted(unknown)}; it takes "
+            f"{', '.join(accepted)}"
+            + (f" ({' and '.join(sorted(torchs))} of torch's checkpoint_wrapper has no "
+               "counterpart: ckptfx's always applies ckptfx.checkpoint)" if torchs else ""))
     check_use_reentrant(checkpoint_kwargs.pop("use_reentrant", False), "checkpoint_wrapper")
     check_options(**checkpoint_kwargs)
     if checkpoint_kwargs.get("policy", 0) is None:

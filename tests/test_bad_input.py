@@ -688,3 +688,12 @@ def test_remat_takes_jaxs_prevent_cse_and_it_changes_nothing() -> None:
     with pytest.raises(TypeError, match="prevent_cse must be a bool, got str"):
         ckptfx.remat(_named_block, prevent_cse="no")
     assert_clean()
+
+
+def test_checkpoint_wrapper_unknown_options_list_the_accepted_ones() -> None:
+    module = torch.nn.Linear(3, 3)
+    with pytest.raises(TypeError, match=r"unknown checkpoint options \['checkpoint_impl'\]; "
+                       r"it takes context_fn, .*policy \(checkpoint_impl of torch's "
+                       r"checkpoint_wrapper has no counterpart"):
+        ckptfx.checkpoint_wrapper(module, checkpoint_impl="no_reentrant")
+    assert type(module) is torch.nn.Linear  # nothing changed
