@@ -194,11 +194,20 @@ def _find_blocks(model: nn.Module) -> tuple[list[nn.Module], bool]:
             return found, False
     best = _largest_list(model)
     if best is None:
+        example = "MyBlock"
+        seen = ""
+        for name, m in model.named_modules():
+            if (isinstance(m, nn.Sequential) and len(m) >= 2 and len({type(b) for b in m}) == 1
+                    and next(iter(m[0].children()), None) is not None):
+                example = type(m[0]).__name__
+                seen = (f" (its nn.Sequential {name!r} holds {len(m)} {example} modules: "
+                        "a Sequential's modules are found only in timm models)")
+                break
         raise ValueError(
             f"apply_activation_checkpointing found no repeated blocks in "
             f"{type(model).__name__}: no Hugging Face GradientCheckpointingLayer, no timm "
-            "'blocks', and no nn.ModuleList of modules of one type. Say which modules to "
-            "checkpoint: check_fn=lambda m: isinstance(m, MyBlock)"
+            f"'blocks', and no nn.ModuleList of modules of one type{seen}. Say which modules "
+            f"to checkpoint: check_fn=lambda m: isinstance(m, {example})"
         )
     return list(best), True
 

@@ -123,6 +123,21 @@ def test_find_blocks_without_repeated_blocks_says_to_pass_check_fn() -> None:
     assert type(model[0]) is nn.Linear  # nothing changed
 
 
+def test_blocks_in_a_sequential_outside_timm_are_named_in_the_error() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(Block(), Block(), Block())
+
+    model = Model()
+    with pytest.raises(ValueError, match=r"its nn.Sequential 'blocks' holds 3 Block modules.*"
+                       r"check_fn=lambda m: isinstance\(m, Block\)"):
+        ckptfx.apply_activation_checkpointing(model)
+    assert all(type(b) is Block for b in model.blocks)  # nothing changed
+    ckptfx.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    assert all(type(b) is not Block and isinstance(b, Block) for b in model.blocks)
+
+
 def test_check_fn_wraps_the_outermost_matches_and_never_the_model() -> None:
     net = Net()
     ckptfx.apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, (Net, Block,
