@@ -125,14 +125,15 @@ def apply_activation_checkpointing(
             if left:
                 shown = ", ".join(f"{name} ({len(m)} x {type(m[0]).__name__})"
                                   for name, m in left)
-                kinds = ", ".join(dict.fromkeys(
+                names = list(dict.fromkeys(
                     t.__name__ for t in (type(blocks[0]), *(type(m[0]) for _, m in left))))
+                kinds = names[0] if len(names) == 1 else f"({', '.join(names)})"
                 warnings.warn(
                     f"apply_activation_checkpointing checkpoints the {len(blocks)} "
                     f"{type(blocks[0]).__name__} modules of the largest nn.ModuleList and "
                     f"leaves these repeated blocks plain: {shown}. To checkpoint them too, "
                     f"say which modules are blocks: check_fn=lambda m: isinstance(m, "
-                    f"({kinds}))",
+                    f"{kinds})",
                     stacklevel=2,
                 )
     else:
@@ -196,13 +197,18 @@ def _find_blocks(model: nn.Module) -> tuple[list[nn.Module], bool]:
     if best is None:
         example = "MyBlock"
         seen = ""
-        for name, m in model.named_modules():
-            if (isinstance(m, nn.Sequential) and len(m) >= 2 and len({type(b) for b in m}) == 1
-                    and next(iter(m[0].children()), None) is not None):
-                example = type(m[0]).__name__
-                seen = (f" (its nn.Sequential {name!r} holds {len(m)} {example} modules: "
-                        "a Sequential's modules are found only in timm models)")
-                break
+        # The largest nn.Sequential of one block class of the user's (not torch's own
+        # containers: isinstance(m, Sequential) would match the Sequential around them)
+        candidates = [(len(m), name, m) for name, m in model.named_modules()
+                      if isinstance(m, nn.Sequential) and len(m) >= 2
+                      and len({type(b) for b in m}) == 1
+                      and not type(m[0]).__module__.startswith("torch.")
+                      and next(iter(m[0].children()), None) is not None]
+        if candidates:
+            _, name, m = max(candidates, key=lambda c: c[0])
+            example = type(m[0]).__name__
+            seen = (f" (its nn.Sequential {name!r} holds {len(m)} {example} modules: "
+                    "a Sequential's modules are found only in timm models)")
         raise ValueError(
             f"apply_activation_checkpointing found no repeated blocks in "
             f"{type(model).__name__}: no Hugging Face GradientCheckpointingLayer, no timm "
@@ -235,7 +241,8 @@ def _other_repeated_blocks(model: nn.Module, blocks: list[nn.Module]
     names = {id(m): name for name, m in model.named_modules()}
     left = []
     for m in _one_type_lists(model):
-        if (len(m) >= 2 and id(m) not in covered and not any(id(b) in chosen for b in m)
+        if (len(m) >= 2 and id(m) not in covered
+                and not any(id(b) in chosen for b in m.modules())  # not around the blocks
                 and next(iter(m[0].children()), None) is not None):
             left.append((names.get(id(m), "?"), m))
     return left

@@ -24,7 +24,9 @@ Rules:
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
+import weakref
 from typing import Any, Callable
 
 from torch import nn
@@ -200,9 +202,7 @@ class NameCheck:
 
 
 def _block_of(fun: Callable[..., Any]) -> tuple[str, Any]:
-    """The block's name and the code object of its forward, through ``functools.partial``
-    and bound methods: a module's call names its class (the class it had before
-    ``checkpoint_wrapper``), Hugging Face's ``partial(layer.__call__, ...)`` included."""
+    """The block's name and the code object of its forward (see ``_unwrap_block``)."""
     fun, module_class = _unwrap_block(fun)
     if module_class is not None:
         forward = getattr(module_class, "forward", None)
@@ -211,21 +211,37 @@ def _block_of(fun: Callable[..., Any]) -> tuple[str, Any]:
             getattr(fun, "__code__", None))
 
 
+# The methods through which a call of a module runs its forward
+_MODULE_CALLS = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
+
+
 def _unwrap_block(fun: Any) -> tuple[Any, type | None]:
-    """``fun`` without its ``functools.partial`` layers, and the class of the module it
-    calls (a module, or a method bound to one), as it was before ``checkpoint_wrapper``."""
+    """What a checkpointed call runs, for naming it and keying its name check: a module
+    (itself, or its ``forward`` / ``__call__`` bound, under any ``functools.partial``, as
+    Hugging Face passes ``partial(layer.__call__, ...)``) gives its class, as it was before
+    ``checkpoint_wrapper``; anything else gives the function itself: a bound method's
+    function, a decorated function's original (``__wrapped__``)."""
     while isinstance(fun, functools.partial):
         fun = fun.func
-    owner = fun if isinstance(fun, nn.Module) else getattr(fun, "__self__", None)
-    if not isinstance(owner, nn.Module):
-        return fun, None
-    return fun, getattr(owner, "_ckptfx_original_class", type(owner))
+    if isinstance(fun, nn.Module):
+        return fun, getattr(fun, "_ckptfx_original_class", type(fun))
+    owner = getattr(fun, "__self__", None)
+    if isinstance(owner, nn.Module) and getattr(fun, "__name__", None) in _MODULE_CALLS:
+        return fun, getattr(owner, "_ckptfx_original_class", type(owner))
+    fun = getattr(fun, "__func__", fun)  # another method: its function
+    try:
+        fun = inspect.unwrap(fun)
+    except ValueError:  # a __wrapped__ cycle: keep the outer function
+        pass
+    return fun, None
 
 
-# The unused-name checks of checkpoint(fn, policy=...) calls, by block and names: such a
-# call may pass a new function each time (Hugging Face passes a new partial of the layer's
-# __call__ per call), so the check is the block's: its module class, else its code.
-_SHARED_CHECKS: dict[tuple[Any, frozenset[str]], NameCheck] = {}
+# The unused-name checks of checkpoint(fn, policy=...) calls, by block, then by names: such
+# a call may pass a new function each time (Hugging Face passes a new partial of the layer's
+# __call__ per call), so the check is the block's (``_unwrap_block``). Held weakly: a block
+# that is gone takes its checks with it.
+_SHARED_CHECKS: "weakref.WeakKeyDictionary[Any, dict[frozenset[str], NameCheck]]" = (
+    weakref.WeakKeyDictionary())
 
 
 def name_check(policy: Any) -> NameCheck | None:
@@ -236,14 +252,21 @@ def name_check(policy: Any) -> NameCheck | None:
 
 def shared_name_check(fun: Callable[..., Any], policy: Any) -> NameCheck | None:
     """The ``NameCheck`` of a ``checkpoint(fun, policy=...)`` call: one per block (its
-    module class, else its function's code) and set of names, so the warning comes once
-    for a block however it is passed. None for a policy that names nothing."""
+    module class, else its function: ``_unwrap_block``) and set of names, so the warning
+    comes once for a block however it is passed. None for a policy that names nothing."""
     names = referenced_names(policy)
     if not names:
         return None
     f, module_class = _unwrap_block(fun)
-    key = (module_class or getattr(f, "__code__", None) or type(f), names)
-    check = _SHARED_CHECKS.get(key)
+    block = module_class if module_class is not None else f
+    try:
+        checks = _SHARED_CHECKS.get(block)
+    except TypeError:  # no weak reference to it (a callable object of a __slots__ class)
+        block = type(block)
+        checks = _SHARED_CHECKS.get(block)
+    if checks is None:
+        checks = _SHARED_CHECKS[block] = {}
+    check = checks.get(names)
     if check is None:
-        check = _SHARED_CHECKS[key] = NameCheck(names, policy)
+        check = checks[names] = NameCheck(names, policy)
     return check

@@ -131,10 +131,14 @@ class _Split:
         who: str,
     ) -> None:
         _check_fun(fun, has_aux, who)
-        if not args:
+        names_a_primal = ((isinstance(x_argnums, int) and not isinstance(x_argnums, bool))
+                          or (isinstance(x_argnums, (tuple, list)) and len(x_argnums) > 0))
+        if not args and names_a_primal:  # x_argnums=() needs none: weight gradients only
             call = ("dx_fn(*args, session=...) with fun's arguments" if who == "grad_split"
                     else f"{who}(fun, *primals), as jax.vjp(fun, *primals)")
-            raise TypeError(f"{who}: no primals given; call {call}")
+            raise TypeError(
+                f"{who}: no primals given, but x_argnums={x_argnums!r} names one; call {call} "
+                "(or pass x_argnums=() for weight gradients only)")
         nums, self.x_single = _normalize_argnums(x_argnums, len(args))
         if session is None:
             session = _split_keys.SplitKey()
@@ -561,13 +565,16 @@ def grad_split(
             split = _Split(fun, args, kwargs, x_argnums, session, has_aux, None, "grad_split")
             outs = split.outputs
             if len(outs) != 1 or split.out_treedef.num_leaves != 1 or outs[0].numel() != 1:
+                got = _describe_output(split.out)
+                if not outs and isinstance(split.out, torch.Tensor) and split.out.numel() == 1:
+                    got += " that does not require grad"
                 split.release()
                 pair = (not has_aux and isinstance(split.out, (tuple, list))
                         and len(split.out) == 2)
                 raise TypeError(
                     "grad_split: fun must return a scalar tensor that requires grad"
                     + (" as the first element of (value, aux)" if has_aux else "")
-                    + f", got {_describe_output(split.out)}"
+                    + f", got {got}"
                     + ("; it returned a pair: if the second element is auxiliary data, pass "
                        "has_aux=True" if pair else "")
                 )

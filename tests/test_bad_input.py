@@ -641,15 +641,23 @@ def test_session_keys_that_cannot_name_a_session_are_refused_everywhere(key: obj
 
 
 def test_split_without_primals_says_so() -> None:
-    with pytest.raises(TypeError, match=r"^vjp_split: no primals given; call "
-                       r"vjp_split\(fun, \*primals\)"):
+    with pytest.raises(TypeError, match=r"^vjp_split: no primals given, but x_argnums=0 names "
+                       r"one; call vjp_split\(fun, \*primals\)"):
         ckptfx.vjp_split(torch.sin)
     dx_fn, dw_fn = ckptfx.grad_split(lambda v: v.sin().sum())
-    with pytest.raises(TypeError, match=r"^grad_split: no primals given; call dx_fn"):
+    with pytest.raises(TypeError, match=r"^grad_split: no primals given, .* call dx_fn"):
         dx_fn(session="mb")
     x = torch.randn(3, requires_grad=True)
     dx_fn(x, session="mb")  # the session key was not taken by the failed call
     dw_fn(session="mb")
+    # x_argnums=() asks for no input gradient: a function of no primals is fine
+    lin = torch.nn.Linear(3, 2)
+    inputs = torch.randn(4, 3)
+    _, dx, dw = ckptfx.vjp_split(lambda: ckptfx.checkpoint(lin, inputs), x_argnums=(),
+                                 params=lin.parameters())
+    dx(torch.ones(4, 2))
+    dw()
+    assert torch.equal(lin.weight.grad, torch.ones(4, 2).t() @ inputs)
     assert_clean()
 
 
@@ -659,6 +667,10 @@ def test_grad_split_non_scalar_error_shows_shape_not_values() -> None:
     with pytest.raises(TypeError, match=r"got a torch.float32 tensor of shape \(4, 8\)$") as info:
         dx_fn(x, session=0)
     assert "0.24" not in str(info.value)
+    dx_fn, _ = ckptfx.grad_split(lambda v: v.sum().detach())
+    with pytest.raises(TypeError, match=r"got a torch.float32 tensor of shape \(\) that does "
+                       r"not require grad$"):
+        dx_fn(x, session=0)
     assert_clean()
 
 

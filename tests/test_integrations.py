@@ -123,6 +123,41 @@ def test_find_blocks_without_repeated_blocks_says_to_pass_check_fn() -> None:
     assert type(model[0]) is nn.Linear  # nothing changed
 
 
+class _Stage(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_stages_of_blocks_warn_about_the_blocks_and_advise_wrapping_them_all() -> None:
+    # Swin-like: stages of different depths, each a list of one block class. The largest
+    # list's blocks are wrapped; the warning names the other stages' lists (not the list of
+    # stages around them), and its check_fn wraps every block, not the stages.
+    model = nn.Sequential()
+    model.stages = nn.ModuleList([_Stage(2), _Stage(4), _Stage(2)])
+    with pytest.warns(UserWarning, match=r"checkpoints the 4 Block modules .* plain: "
+                      r"stages.0.blocks \(2 x Block\), stages.2.blocks \(2 x Block\)\. .*"
+                      r"check_fn=lambda m: isinstance\(m, Block\)$"):
+        ckptfx.apply_activation_checkpointing(model)
+    advised = nn.Sequential()
+    advised.stages = nn.ModuleList([_Stage(2), _Stage(4), _Stage(2)])
+    ckptfx.apply_activation_checkpointing(advised, check_fn=lambda m: isinstance(m, Block))
+    assert all(type(s) is _Stage for s in advised.stages)
+    assert all(type(b) is not Block for s in advised.stages for b in s.blocks)
+
+
+def test_a_sequential_of_torch_containers_is_not_offered_as_the_blocks() -> None:
+    body = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3)])
+    with pytest.raises(ValueError, match=r"of one type\. Say which modules to checkpoint: "
+                       r"check_fn=lambda m: isinstance\(m, MyBlock\)"):
+        ckptfx.apply_activation_checkpointing(nn.Sequential(body, nn.Linear(4, 4)))
+
+
 def test_blocks_in_a_sequential_outside_timm_are_named_in_the_error() -> None:
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -379,6 +414,43 @@ def test_bare_checkpoint_name_policy_warns_once_per_block_at_the_users_line() ->
     assert len(unused) == 1
     assert "of block Block (" in str(unused[0].message) and "['atn_out']" in str(unused[0].message)
     assert unused[0].filename == __file__
+
+
+def test_name_checks_of_bare_calls_are_per_method_and_see_through_decorators() -> None:
+    # Two methods of one module, or two functions behind one decorator, are two blocks: a
+    # name the second one misses is reported for it, under its own name.
+    import functools
+
+    def decorated(f: Any) -> Any:
+        @functools.wraps(f)
+        def wrapper(*args: Any) -> Any:
+            return f(*args)
+        return wrapper
+
+    @decorated
+    def attn(x: torch.Tensor) -> torch.Tensor:
+        return ckptfx.checkpoint_name(x.sin(), "attn_out")
+
+    @decorated
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        return ckptfx.checkpoint_name(x.cos(), "mlp_out")
+
+    class Layer(nn.Module):
+        def _attn(self, x: torch.Tensor) -> torch.Tensor:
+            return attn(x)
+
+        def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+            return mlp(x)
+
+    policy = cp.save_only_these_names("attn_out")
+    x = torch.randn(3, requires_grad=True)
+    for calls, blocks in (([attn, mlp], "mlp"), ([Layer()._attn, Layer()._mlp], "Layer._mlp")):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for fn in calls:
+                ckptfx.checkpoint(fn, x, policy=policy).sum().backward()
+        unused = [str(w.message) for w in record if w.category is ckptfx.UnusedNameWarning]
+        assert len(unused) == 1 and f".{blocks} (" in unused[0], unused
 
 
 def test_hugging_face_layers_warn_about_a_name_their_forward_never_tags() -> None:
