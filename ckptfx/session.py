@@ -268,7 +268,8 @@ def recompute_session_ctx(session_id: Hashable,
     another thread of your own, prefire or register the handles first).
 
     Args:
-        session_id: any hashable key but None, e.g. ``(stage, microbatch)``.
+        session_id: any hashable key but None or a tensor (which hashes by identity), e.g.
+            ``(stage, microbatch)`` of ints.
         retain_on_unpack: keep each replayed tensor after handing it out, for later backward
             calls of the same session (dx, and every dw group but the last). False (default)
             hands it out and drops it: use it for the last consumer.
