@@ -318,8 +318,7 @@ class Replayer(_compat.TorchDispatchMode):
 
 def forward_context(frame: Any) -> Any:
     """A checkpoint forward: record its collectives where one can run (Rule 3)."""
-    # watch_needed(), in line (every checkpoint forward asks)
-    return Recorder(frame) if _registered or _compat.distributed_initialized() else NULL
+    return Recorder(frame) if watch_needed() else NULL
 
 
 def replay_context(frame: Any) -> Any:

@@ -86,14 +86,14 @@ pop_saved_tensors_hooks: Callable[[], None] = _require(
 )
 
 # The saved-tensor hooks on top of this thread's stack now, as (pack, unpack), or None.
-top_saved_tensors_hooks: Callable[[bool], Any] = _require(
+_top_saved_tensors_hooks: Callable[[bool], Any] = _require(
     torch._C._autograd, "_top_saved_tensors_default_hooks"
 )
 
 
 def top_saved_tensors_pack_hook() -> Any:
     """The pack hook on top of the saved-tensor hooks stack, or None when it is empty."""
-    top = top_saved_tensors_hooks(False)
+    top = _top_saved_tensors_hooks(False)
     return None if top is None else top[0]
 
 

@@ -17,12 +17,17 @@ _LIBRARY_MARKERS = (*_TORCH_MARKERS, os.sep + "transformers" + os.sep)
 _USER_FILES_IN_PACKAGE = (os.path.join(_PACKAGE_DIR, "cli.py"),)  # the demo's blocks
 
 
+def _not_users(filename: str, markers: tuple[str, ...]) -> bool:
+    """A file of ckptfx (but the demo's) or of a library ``markers`` name."""
+    return ((filename.startswith(_PACKAGE_DIR) and filename not in _USER_FILES_IN_PACKAGE)
+            or any(m in filename for m in markers))
+
+
 def user_call_site(skip_dirs: tuple[str, ...] = ()) -> str:
     """``file:line (function)`` of the innermost stack entry outside torch and ckptfx."""
     for entry in reversed(traceback.extract_stack()):
         name = entry.filename
-        if (name.startswith(_PACKAGE_DIR) and name not in _USER_FILES_IN_PACKAGE) or any(
-                m in name for m in _TORCH_MARKERS):
+        if _not_users(name, _TORCH_MARKERS):
             continue
         if skip_dirs and name.startswith(skip_dirs):
             continue
@@ -37,9 +42,7 @@ def user_stacklevel() -> int:
     frame = sys._getframe(1)
     level = 1
     while frame.f_back is not None:
-        name = frame.f_code.co_filename
-        if not ((name.startswith(_PACKAGE_DIR) and name not in _USER_FILES_IN_PACKAGE)
-                or any(m in name for m in _LIBRARY_MARKERS)):
+        if not _not_users(frame.f_code.co_filename, _LIBRARY_MARKERS):
             break
         frame = frame.f_back
         level += 1

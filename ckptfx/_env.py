@@ -76,9 +76,7 @@ class ReplayEnv:
             mod = _device_module(device_type)
             if mod.is_initialized():
                 self.device_rng = [(i, mod.get_rng_state(i)) for i in device_ids]
-        # _autocast_state("cpu"), in line (every forward call makes a ReplayEnv)
-        self.cpu_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-                             torch.is_autocast_cache_enabled())
+        self.cpu_autocast = _autocast_state("cpu")
         self.device_autocast = (
             _autocast_state(device_type)
             if device_type is not None and torch.amp.is_autocast_available(device_type)
@@ -122,12 +120,10 @@ class ReplayEnv:
                 g.set_state(state)
         saved = (saved_cpu, saved_dev, saved_gens, _NO_CONTEXTS)
         contexts = []
-        cpu = self.cpu_autocast
-        if (torch.is_autocast_enabled("cpu") != cpu[0]  # _autocast_state("cpu"), in line
-                or torch.get_autocast_dtype("cpu") != cpu[1]
-                or torch.is_autocast_cache_enabled() != cpu[2]):
-            contexts.append(torch.amp.autocast("cpu", enabled=cpu[0], dtype=cpu[1],
-                                               cache_enabled=cpu[2]))
+        if _autocast_state("cpu") != self.cpu_autocast:
+            enabled, dtype, cache = self.cpu_autocast
+            contexts.append(torch.amp.autocast("cpu", enabled=enabled, dtype=dtype,
+                                               cache_enabled=cache))
         if self.device_autocast is not None and _autocast_state(
                 self.device_type) != self.device_autocast:  # type: ignore[arg-type]
             enabled, dtype, cache = self.device_autocast

@@ -335,13 +335,18 @@ _CHECKPOINT_FUNCTIONS = frozenset({
 })
 
 
+def unpartial(f: Any) -> Any:
+    """``f`` without its ``functools.partial`` layers."""
+    while isinstance(f, functools.partial):
+        f = f.func
+    return f
+
+
 def checkpoint_function_error(p: Any, arg: str, note: str = "") -> TypeError | None:
     """The ``TypeError`` for a checkpoint function or module wrapper (or a
     ``functools.partial`` of one) passed as the policy ``arg``, ending with ``note``; None
     for anything else."""
-    f = p
-    while isinstance(f, functools.partial):
-        f = f.func
+    f = unpartial(p)
     key = (getattr(f, "__module__", None), getattr(f, "__qualname__", None))
     if key not in _CHECKPOINT_FUNCTIONS:
         return None

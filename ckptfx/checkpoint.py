@@ -17,7 +17,7 @@ from . import _collectives
 from ._function_replay import rerun_function
 from .frame import (NULL_CONTEXT, CheckpointError, Frame, refuse_new_frame_in_scheduled_replay,
                     tls, unpack_hook)
-from .refill import first_node, scope_on_top
+from .refill import first_node, plain_saves, scope_on_top
 from .policies import (NameCheck, NothingSaveable, check_policy, name_check, nothing_saveable,
                        shared_name_check)
 from ._collector import collect, uncollect
@@ -357,16 +357,11 @@ def run_checkpointed(
     else:
         forward_ctx, recompute_ctx = context_fn()
     refill = scope_on_top()  # a ckptfx.refill_outputs() context around this block, if any
-    if refill is not None:
-        refill.plain += 1  # the frame's inputs are saved as they are (refill.py Rule 3)
-    try:
+    with plain_saves(refill):
         frame = Frame(function, args, kwargs, rerun=rerun_function,
                       preserve_rng_state=preserve_rng_state,
                       determinism_check=determinism_check, early_stop=early_stop,
                       recompute_ctx=recompute_ctx, debug=logs)
-    finally:
-        if refill is not None:
-            refill.plain -= 1
     handles = collect(frame)
     first = first_node() if refill is not None else None
     suppressed = True

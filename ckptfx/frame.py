@@ -258,7 +258,7 @@ class Frame:
 
     def pack(self, x: torch.Tensor) -> Holder:
         """The forward's pack hook (Rule 1): called for every saved tensor, so it makes its
-        holder without a Python ``__init__`` and does ``note_op``'s work in line."""
+        holder without a Python ``__init__``."""
         holders = self.holders
         position = len(holders)
         holder = _new_holder(Holder)
@@ -268,15 +268,11 @@ class Frame:
         metas = self.metas
         if metas is not None:
             metas.append((x.shape, x.dtype, x.device))
-        seq = _next_sequence_nr()  # note_op(position), in line
-        if seq != self.op_seq:
-            self.prev_op_seq, self.op_seq = self.op_seq, seq
-            self.last_op_first = position
+        self.note_op(position)
         return holder
 
     def note_op(self, position: int) -> None:
-        """At each pack of the forward: note where the packs of a new op start (Rule 6).
-        (``pack`` does the same in line.)"""
+        """At each pack of the forward: note where the packs of a new op start (Rule 6)."""
         seq = _next_sequence_nr()
         if seq != self.op_seq:
             self.prev_op_seq, self.op_seq = self.op_seq, seq

@@ -23,7 +23,6 @@ Rules:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import warnings
 import weakref
@@ -37,6 +36,7 @@ from ._debug import user_stacklevel
 from ._checkpoint_name import NameScope, _name_scopes, checkpoint_name
 from ._policy_factories import (
     DOTS,
+    unpartial,
     _FACTORY_CALLS,
     DotsSaveable,
     EverythingSaveable,
@@ -221,8 +221,7 @@ def _unwrap_block(fun: Any) -> tuple[Any, type | None]:
     Hugging Face passes ``partial(layer.__call__, ...)``) gives its class, as it was before
     ``checkpoint_wrapper``; anything else gives the function itself: a bound method's
     function, a decorated function's original (``__wrapped__``)."""
-    while isinstance(fun, functools.partial):
-        fun = fun.func
+    fun = unpartial(fun)
     if isinstance(fun, nn.Module):
         return fun, getattr(fun, "_ckptfx_original_class", type(fun))
     owner = getattr(fun, "__self__", None)

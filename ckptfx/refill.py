@@ -39,9 +39,8 @@ Rules
    detached alias (an op that saves its own output would otherwise hold its node through
    the packed tensor, a cycle gc cannot see) and the version, checked at unpack, since
    saved-tensor hooks turn autograd's own check off. A new frame's inputs are saved as
-   ``_Plain`` (the frame's maker raises ``_Scope.plain`` meanwhile): refilled inputs would
-   make the first block's replay replay every block below it at once, holding all their
-   tensors.
+   ``_Plain`` (``plain_saves``): refilled inputs would make the first block's replay replay
+   every block below it at once, holding all their tensors.
 
 4. Unpacking a handle whose tensor (or base) is still alive hands it out as is, after the
    version check autograd makes: nothing was saved, so nothing is replayed. Otherwise the
@@ -76,8 +75,6 @@ import torch
 
 from . import _compat
 from .frame import CheckpointError, Frame, Replay
-
-_top_saved_tensors_hooks = _compat.top_saved_tensors_hooks
 
 __all__ = ["refill_outputs"]
 
@@ -356,26 +353,33 @@ def _forget(outputs: dict[int, Entry], key: int) -> Callable[[Any], None]:
     return forget
 
 
+class _PlainSaves:
+    __slots__ = ("scope",)
+
+    def __init__(self, scope: _Scope | None) -> None:
+        self.scope = scope
+
+    def __enter__(self) -> None:
+        if self.scope is not None:
+            self.scope.plain += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.scope is not None:
+            self.scope.plain -= 1
+
+
+_NO_SCOPE = _PlainSaves(None)
+
+
 def scope_on_top() -> _Scope | None:
-    """The ``refill_outputs`` context whose hooks are on top now (a block about to start).
-
-    The caller raises the scope's ``plain`` count while it makes the block's frame, whose
-    inputs are then saved as they are (Rule 3)::
-
-        refill = scope_on_top()
-        if refill is not None:
-            refill.plain += 1
-        try:
-            frame = Frame(...)
-        finally:
-            if refill is not None:
-                refill.plain -= 1
-    """
-    top = _top_saved_tensors_hooks(False)  # (pack, unpack), or None: no hooks at all
-    if top is None:
-        return None
-    owner = getattr(top[0], "__self__", None)
+    """The ``refill_outputs`` context whose hooks are on top now (a block about to start)."""
+    owner = getattr(_compat.top_saved_tensors_pack_hook(), "__self__", None)
     return owner if owner.__class__ is _Scope else None
+
+
+def plain_saves(scope: _Scope | None) -> _PlainSaves:
+    """Around a new frame's construction: its inputs are saved as they are (Rule 3)."""
+    return _NO_SCOPE if scope is None else _PlainSaves(scope)
 
 
 @contextlib.contextmanager

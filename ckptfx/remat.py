@@ -37,7 +37,7 @@ from .policies import (
     name_check,
     positional_policy_message,
 )
-from .refill import first_node, scope_on_top
+from .refill import first_node, plain_saves, scope_on_top
 from .rerun import plan_for
 from ._collector import collect, uncollect
 from .trace import Tracer, reporting, residual_unpack_hook
@@ -324,14 +324,9 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
         return flat.function_path(options.policy)
     tensors = flat.tensors
     refill = scope_on_top()  # a ckptfx.refill_outputs() context around this block, if any
-    if refill is not None:
-        refill.plain += 1  # the frame's inputs are saved as they are (refill.py Rule 3)
-    try:
+    with plain_saves(refill):
         frame = Frame(flat.fn, tuple(tensors), {}, rerun=rerun_function,
                       early_stop=options.early_stop)
-    finally:
-        if refill is not None:
-            refill.plain -= 1
     plan = plan_for(fun, options.policy, options.always_record, flat.fn, tensors, args, kwargs,
                     learnt)
     tracer: Tracer | None = None
