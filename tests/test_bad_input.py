@@ -636,7 +636,7 @@ def test_session_keys_that_cannot_name_a_session_are_refused_everywhere(key: obj
         with pytest.raises(ValueError, match=rf"^{what} must be a hashable key.*{got}"):
             call()
     out.sum().backward()  # the frame was left as it was: a plain backward
-    assert torch.equal(x.grad, x.cos())
+    assert torch.equal(x.grad, torch.autograd.grad(torch.sin(x).sum(), x)[0])
     assert_clean()
 
 
@@ -657,7 +657,8 @@ def test_split_without_primals_says_so() -> None:
                                  params=lin.parameters())
     dx(torch.ones(4, 2))
     dw()
-    assert torch.equal(lin.weight.grad, torch.ones(4, 2).t() @ inputs)
+    plain = torch.autograd.grad(lin(inputs), [lin.weight, lin.bias], torch.ones(4, 2))
+    assert_bitwise([lin.weight.grad, lin.bias.grad], list(plain))
     assert_clean()
 
 
