@@ -1,6 +1,6 @@
 """Benchmark: the memory-budget Pareto curve, measured: peak memory against step time.
 
-A stack of bench_split.py's ``Block`` (pre-norm transformer, dropout 0.1), each block
+A stack of ``ckptfx.bench.blocks.Block`` (pre-norm transformer, dropout 0.1), each block
 ``ckptfx.remat``'d under ``checkpoint_policies.memory_budget(f)`` for f = 0.0, 0.1, ..., 1.0,
 beside the hand-picked policies (``nothing_saveable``, ``dots_saveable``,
 ``everything_saveable``), torch's checkpoint (``use_reentrant=False``) and no checkpoint.
@@ -13,7 +13,7 @@ order alternates between repeats. Peaks are measured, not estimated: torch's com
 budget is known to give a peak that is not monotone in the budget (pytorch #197838).
 
 It also times the planning of one block (``Frontier.from_recording``: scoring, the
-min-cut hull and the branch and bound that proves the choice, ckptfx/_budget_cut.py) and
+min-cut hull and the branch and bound that proves the choice, ckptfx/budget/cut.py) and
 prints what was proved: the median over fresh blocks, in this process.
 
 Usage::
@@ -26,16 +26,15 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-from _memory import MMAP_ENV, MMAP_VALUE
+from ckptfx.bench.memory import MMAP_ENV, MMAP_VALUE, child_env
+from ckptfx.bench.child import answer, run_json, script_parser
 
 FRACTIONS = tuple(round(0.1 * i, 1) for i in range(11))
 VARIANTS = ("none", "torch", "nothing", "dots", "everything",
@@ -44,22 +43,20 @@ MIB = 2**20
 
 
 def _child(cfg: dict) -> dict:
-    import gc
-
     import torch
     import torch.utils.checkpoint as tcp
     from torch.utils.flop_counter import FlopCounterMode
 
     import ckptfx
     from ckptfx import checkpoint_policies as cp
-    from _memory import reset_hwm, small_mmap_threshold, vm_hwm
-    from bench_split import Block
+    from ckptfx.bench.blocks import Block
+    from ckptfx.bench.memory import measured_steps, small_mmap_threshold
 
     assert small_mmap_threshold()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     d, seq, batch, n = cfg["d"], cfg["seq"], cfg["batch"], cfg["blocks"]
-    blocks = [Block(d) for _ in range(n)]
+    blocks = [Block(d, dropout=0.1) for _ in range(n)]
     params = [p for b in blocks for p in b.parameters()]
     variant = cfg["variant"]
     if variant == "none":
@@ -94,29 +91,13 @@ def _child(cfg: dict) -> dict:
 
     step()  # warm-up: a budget plans here
     flops = step(count=True)
-    peaks, times = [], []
-    for _ in range(cfg["steps"]):
-        gc.collect()
-        reset_hwm()
-        start = vm_hwm()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-        peaks.append(vm_hwm() - start)
+    peaks, times = measured_steps(step, cfg["steps"])
     return {"peak": peaks, "time": times, "flops": flops}
 
 
 def _run_child(cfg: dict) -> dict:
-    env = dict(os.environ)
-    env[MMAP_ENV] = MMAP_VALUE
-    env["OMP_NUM_THREADS"] = "1"
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                           json.dumps(cfg)], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"subprocess for {cfg['variant']} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
+                    child_env(1), f"subprocess for {cfg['variant']}")
 
 
 def run(quick: bool = False, d: int = 256, seq: int = 128, batch: int = 8, blocks: int = 4,
@@ -147,7 +128,7 @@ def planning(d: int, seq: int, batch: int, repeats: int = 5) -> dict[str, Any]:
     import ckptfx
     from ckptfx import budget
     from ckptfx import checkpoint_policies as cp
-    from bench_split import Block
+    from ckptfx.bench.blocks import Block
 
     torch.set_num_threads(1)
     real = budget.Frontier.from_recording.__func__  # type: ignore[attr-defined]
@@ -164,7 +145,7 @@ def planning(d: int, seq: int, batch: int, repeats: int = 5) -> dict[str, Any]:
     budget.Frontier.from_recording = classmethod(timed)  # type: ignore[method-assign]
     try:
         for _ in range(repeats):
-            block = Block(d)
+            block = Block(d, dropout=0.1)
             x = torch.randn(batch, seq, d, requires_grad=True)
             ckptfx.remat(block.forward, policy=cp.memory_budget(0.5))(x).sum().backward()
     finally:
@@ -176,19 +157,12 @@ def planning(d: int, seq: int, batch: int, repeats: int = 5) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--d", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
+    parser = script_parser(__doc__, d=256, seq=128, batch=8, steps=3)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(_child(json.loads(args.child))))
-        return 0
+        return answer(_child, args.child)
     t0 = time.perf_counter()
     rows = run(args.quick, args.d, args.seq, args.batch, args.blocks, args.repeats, args.steps)
     ref = {r["variant"]: r for r in rows}["torch"]

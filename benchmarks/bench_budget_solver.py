@@ -1,4 +1,4 @@
-"""Benchmark: the memory budget's solver (ckptfx/_budget_cut.py) against greedy chains alone.
+"""Benchmark: the memory budget's solver (ckptfx/budget/cut.py) against greedy chains alone.
 
 For each block, the planner's frontier (the solver's hull and branch and bound, the greedy
 chains, dots, and every subset for small blocks whose proof is unfinished) is compared with a
@@ -9,8 +9,8 @@ FLOPs, and reports how many blocks were proven exact, the min cuts, and the plan
 (``Frontier.from_recording``, median; FLOPs and cuts are counts, times depend on the load).
 
 Blocks: random "knapsacks" (branches ``tanh(x[:, :k] @ w)`` of ``n`` columns: keeping one
-costs bytes in ``n``, recomputing it FLOPs in ``k * n``) and bench_split.py's pre-norm
-transformer ``Block``.
+costs bytes in ``n``, recomputing it FLOPs in ``k * n``) and ``ckptfx.bench.blocks.Block``,
+a pre-norm transformer block (dropout 0.1).
 
 Usage::
 
@@ -32,7 +32,8 @@ import torch
 import ckptfx
 from ckptfx import budget
 from ckptfx import checkpoint_policies as cp
-from ckptfx._budget_model import Frontier, _Model
+from ckptfx.bench.blocks import Block
+from ckptfx.budget.model import Frontier, _Model
 from ckptfx.policies import DOTS
 
 
@@ -119,12 +120,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(planned by greedy chains alone before the solver): fewer FLOPs at some budget in "
           f"{sum(bool(r['gains']) for r in big)}, at {sum(len(r['gains']) for r in big)} of "
           f"{sum(r['budgets'] for r in big)} budgets")
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from bench_split import Block
-
     d, seq, batch = (64, 32, 2) if args.quick else (256, 128, 8)
     torch.manual_seed(0)
-    r = compare(Block(d).forward, torch.randn(batch, seq, d, requires_grad=True))
+    r = compare(Block(d, dropout=0.1).forward, torch.randn(batch, seq, d, requires_grad=True))
     print(f"transformer Block d={d} seq {seq} batch {batch}: {r['units']} candidate ops, proven "
           f"exact {r['exact']}, {r['cuts']} min cuts, planning {r['seconds']:.3f} s; fewer "
           f"FLOPs than the greedy chains at {len(r['gains'])} of {r['budgets']} budgets")

@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Callable
 
-from _memory import MMAP_ENV, peak_above_start, reexec_with_small_mmap_threshold
+from ckptfx.bench.memory import MMAP_ENV, reexec_with_small_mmap_threshold
 
 if __name__ == "__main__":
     reexec_with_small_mmap_threshold()
@@ -40,8 +40,18 @@ import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
 from torch import nn  # noqa: E402
 
 import ckptfx  # noqa: E402
+from ckptfx.bench.blocks import encoder_stack  # noqa: E402
+from ckptfx.bench.child import add_shape_options  # noqa: E402
+from ckptfx.bench.figures import medians, rounds_of, verdict  # noqa: E402
+from ckptfx.bench.memory import peak_above_start  # noqa: E402
 
 VARIANTS = ("none", "torch", "ckptfx")
+TARGETS = (
+    ("time", 1.05, "ckptfx.checkpoint step time / torch's checkpoint", None),
+    # the target is stated as a ratio to two decimals (<= 1.00); pages are 4 KiB
+    ("memory", 1.0, "ckptfx.checkpoint step peak memory / torch's checkpoint, two decimals",
+     None),
+)
 
 
 def checkpoint_call(variant: str) -> Callable[..., torch.Tensor]:
@@ -51,15 +61,6 @@ def checkpoint_call(variant: str) -> Callable[..., torch.Tensor]:
     if variant == "torch":
         return lambda fn, x: torch_checkpoint.checkpoint(fn, x, use_reentrant=False)
     return lambda fn, x: ckptfx.checkpoint(fn, x)
-
-
-def make_stack(blocks: int, d: int, device: str) -> nn.ModuleList:
-    torch.manual_seed(0)
-    return nn.ModuleList(
-        nn.TransformerEncoderLayer(d, nhead=max(1, d // 64), dim_feedforward=4 * d,
-                                   dropout=0.1, batch_first=True, norm_first=True)
-        for _ in range(blocks)
-    ).to(device).train()
 
 
 def step(stack: nn.ModuleList, x: torch.Tensor, variant: str) -> None:
@@ -79,64 +80,54 @@ def sync(device: str) -> None:
 
 
 def time_steps(stack, x, repeats: int, device: str) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(repeats):
-        # Alternate the order too, so no variant always runs right after the same one.
-        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
-        for variant in order:
-            sync(device)
-            t0 = time.perf_counter()
+    """Seconds per step of each variant, alternated (figures.rounds_of), wall clock: on an
+    accelerator the work is not on this thread; each step ends synchronized."""
+    def timed(variant: str) -> Callable[[], None]:
+        def run() -> None:
             step(stack, x, variant)
             sync(device)
-            times[variant].append(time.perf_counter() - t0)
-    return times
+        return run
+
+    return rounds_of({v: timed(v) for v in VARIANTS}, repeats, clock=time.perf_counter)
 
 
 def peak_bytes(stack, x, variant: str, device: str) -> int:
     """Memory the step needs above what was allocated before it (peak minus baseline)."""
     gc.collect()
-    if device == "cpu":
-        return peak_above_start(lambda: step(stack, x, variant))
-    mod = torch.get_device_module(device)
     sync(device)
-    mod.reset_peak_memory_stats()
-    base = mod.memory_allocated()
-    step(stack, x, variant)
-    sync(device)
-    return mod.max_memory_allocated() - base
+
+    def run() -> None:
+        step(stack, x, variant)
+        sync(device)
+
+    return peak_above_start(run, device)
 
 
 def per_call_overhead(calls: int, repeats: int) -> dict[str, dict[str, float]]:
     """Microseconds per checkpoint call on a tiny tensor: forward only, and forward+backward."""
     x = torch.randn(4, requires_grad=True)
     fn = torch.sin  # saves its input: one holder per call
-    result: dict[str, dict[str, float]] = {}
-    samples = {(v, k): [] for v in VARIANTS for k in ("forward", "forward+backward")}
-    for r in range(repeats):
-        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
-        for variant in order:
-            call = checkpoint_call(variant)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                call(fn, x)
-            samples[(variant, "forward")].append((time.perf_counter() - t0) / calls * 1e6)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                call(fn, x).sum().backward()
-            samples[(variant, "forward+backward")].append(
-                (time.perf_counter() - t0) / calls * 1e6)
-    for (variant, kind), values in samples.items():
-        result.setdefault(variant, {})[kind] = statistics.median(values)
-    return result
+
+    def forward(call: Callable[..., torch.Tensor]) -> Callable[[], object]:
+        return lambda: call(fn, x)
+
+    def forward_backward(call: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        return lambda: call(fn, x).sum().backward()
+
+    fns = {}
+    for v in VARIANTS:
+        fns[f"{v} forward"] = forward(checkpoint_call(v))
+        fns[f"{v} forward+backward"] = forward_backward(checkpoint_call(v))
+    med = medians(rounds_of(fns, repeats, calls, clock=time.perf_counter))
+    return {v: {kind: med[f"{v} {kind}"] * 1e6 for kind in ("forward", "forward+backward")}
+            for v in VARIANTS}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     parser.add_argument("--blocks", type=int, default=6)
-    parser.add_argument("--d", type=int, default=256, help="model width")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
+    add_shape_options(parser, d=256, seq=128, batch=8)
     parser.add_argument("--repeats", type=int, default=15, help="timed steps per variant")
     parser.add_argument("--calls", type=int, default=2000, help="calls per overhead sample")
     parser.add_argument("--device", default="cpu")
@@ -152,14 +143,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"stack: {args.blocks} TransformerEncoderLayer blocks, d={args.d}, seq={args.seq}, "
           f"batch={args.batch}, dropout 0.1; {args.repeats} alternated repeats")
 
-    stack = make_stack(args.blocks, args.d, args.device)
+    stack = encoder_stack(args.blocks, args.d, args.device)
     x = torch.randn(args.batch, args.seq, args.d, device=args.device, requires_grad=True)
     for variant in VARIANTS:  # warm-up (allocator, lazy init)
         step(stack, x, variant)
 
     times = time_steps(stack, x, args.repeats, args.device)
-    med = {v: statistics.median(t) for v, t in times.items()}
-    peaks = {v: [] for v in VARIANTS}
+    med = medians(times)
+    peaks: dict[str, list[int]] = {v: [] for v in VARIANTS}
     for r in range(3):
         for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
             peaks[variant].append(peak_bytes(stack, x, variant, args.device))
@@ -176,13 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  memory ckptfx/torch = {peak['ckptfx'] / max(peak['torch'], 1):.3f}   "
           f"ckptfx/none = {peak['ckptfx'] / max(peak['none'], 1):.3f}   "
           f"torch/none = {peak['torch'] / max(peak['none'], 1):.3f}")
-    time_ok = med["ckptfx"] / med["torch"] <= 1.05
-    # the target is stated as a ratio to two decimals (<= 1.00); pages are 4 KiB
-    memory_ok = round(peak["ckptfx"] / max(peak["torch"], 1), 2) <= 1.00
-    verdict = "met" if time_ok and memory_ok else "NOT met"
-    print(f"  target (time within 1.05x of torch's checkpoint and peak memory at most torch's): "
-          f"{verdict} (time {'ok' if time_ok else 'over'}, memory "
-          f"{'ok' if memory_ok else 'over'})")
+    figures = {"time": med["ckptfx"] / med["torch"],
+               "memory": round(peak["ckptfx"] / max(peak["torch"], 1), 2)}
+    print("  verdict:")
+    for line in verdict(figures, TARGETS):
+        print("    " + line)
 
     overhead = per_call_overhead(args.calls, args.repeats)
     print(f"\nper-call overhead, torch.sin on a 4-element tensor ({args.calls} calls x "

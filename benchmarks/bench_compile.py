@@ -1,6 +1,8 @@
 """Benchmark: ckptfx under torch.compile, and ckptfx around compiled blocks.
 
-A stack of pre-norm transformer blocks with dropout, one training step (forward + backward):
+A stack of pre-norm transformer blocks with dropout (``ckptfx.bench.blocks.Block``, each
+behind an op that counts its runs inside the compiled graphs), one training step (forward +
+backward):
 
 - ``compiled``            torch.compile(model), no checkpoint (the reference: 1.00x)
 - ``remat_dots``          torch.compile(model), blocks ``@ckptfx.remat(policy=dots_saveable)``
@@ -28,23 +30,24 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
 import warnings
 from typing import Any, Callable
 
-from _memory import peak_above_start, reexec_with_small_mmap_threshold
+from ckptfx.bench.memory import peak_above_start, reexec_with_small_mmap_threshold
 
 reexec_with_small_mmap_threshold()
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint as tcp  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
 import ckptfx  # noqa: E402
 from ckptfx import checkpoint_policies as cp  # noqa: E402
+from ckptfx.bench.blocks import Block  # noqa: E402
+from ckptfx.bench.child import add_shape_options  # noqa: E402
+from ckptfx.bench.figures import medians, rounds_of  # noqa: E402
 
 RUNS = [0]
 
@@ -63,22 +66,15 @@ def _(x: torch.Tensor) -> torch.Tensor:
 count_run.register_autograd(lambda ctx, g: g)
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+def counted_block(d: int) -> nn.Sequential:
+    """A pre-norm transformer block with dropout, its runs counted by ``count_run``, an op
+    that stays inside compiled graphs (a Python counter would run once, at tracing)."""
+    return nn.Sequential(_CountRun(), Block(d, dropout=0.1))
 
+
+class _CountRun(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = count_run(x)
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        att = F.dropout((q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5).softmax(-1), 0.1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.dropout(F.gelu(self.fc1(self.ln2(x))), 0.1))
+        return count_run(x)
 
 
 class Model(nn.Module):
@@ -115,7 +111,7 @@ def counting_backend(backend: str, matmuls: list[int]) -> Any:
     return inner  # inductor's graphs are its own; matmuls not counted
 
 
-def make_variants(blocks: list[Block], backend: str, matmuls: dict[str, list[int]]
+def make_variants(blocks: list[nn.Module], backend: str, matmuls: dict[str, list[int]]
                   ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     sac = functools.partial(tcp.create_selective_checkpoint_contexts, cp.dots_saveable)
     whole = {
@@ -149,16 +145,14 @@ def train_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="aot_eager", choices=["eager", "aot_eager", "inductor"])
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4)
+    add_shape_options(ap, d=128, seq=64, batch=4)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch._functorch.config.donated_buffer = False  # the split runs dx with retain_graph
     torch.manual_seed(0)
-    blocks = [Block(args.d) for _ in range(args.blocks)]
+    blocks = [counted_block(args.d) for _ in range(args.blocks)]
     params = [p for b in blocks for p in b.parameters()]
     x = torch.randn(args.batch, args.seq, args.d, requires_grad=True)
     matmuls: dict[str, list[int]] = {}
@@ -176,13 +170,10 @@ def main() -> None:
         print(f"{name:18s} gradients bitwise equal to 'compiled': {exact}")
     print(f"compilation: {time.perf_counter() - t0:.1f} s")
 
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            t = time.perf_counter()
-            train_step(fn, x, params)
-            times[name].append(time.perf_counter() - t)
-    base = statistics.median(times["compiled"])
+    times = medians(rounds_of({name: functools.partial(train_step, fn, x, params)
+                               for name, fn in variants.items()}, args.rounds,
+                              clock=time.perf_counter))
+    base = times["compiled"]
     print(f"\n{args.blocks} blocks d={args.d} seq={args.seq} batch={args.batch}, backend "
           f"{args.backend}, median of {args.rounds} alternated rounds, one thread")
     print(f"{'variant':18s} {'step':>7s} {'peak MiB':>9s} {'runs':>5s} {'bw matmuls':>10s}")
@@ -192,19 +183,21 @@ def main() -> None:
         train_step(fn, x, params)
         runs = RUNS[0] / args.blocks
         mm = matmuls[name][0] if matmuls[name] else "-"
-        print(f"{name:18s} {statistics.median(times[name]) / base:6.3f}x {peak:9.1f} "
+        print(f"{name:18s} {times[name] / base:6.3f}x {peak:9.1f} "
               f"{runs:5.1f} {mm!s:>10s}")
 
     # split backward with compiled blocks (torchtitan order) vs one fused backward
     stage = variants["ckptfx(compiled)"]
 
-    def split_step() -> int:
-        RUNS[0] = 0
-        torch.manual_seed(0)
-        out, dx_fn, dw_fn = ckptfx.vjp_split(stage, x, params=params)
-        dx_fn(torch.ones_like(out))
-        dw_fn()
-        return RUNS[0]
+    def split_step_of(model: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], int]:
+        def split_step() -> int:
+            RUNS[0] = 0
+            torch.manual_seed(0)
+            out, dx_fn, dw_fn = ckptfx.vjp_split(model, x, params=params)
+            dx_fn(torch.ones_like(out))
+            dw_fn()
+            return RUNS[0]
+        return split_step
 
     def fused_step() -> int:
         RUNS[0] = 0
@@ -215,26 +208,15 @@ def main() -> None:
 
     whole = torch.compile(Model(blocks, lambda b: functools.partial(ckptfx.checkpoint, b)),
                           backend=args.backend)
-
-    def whole_split_step() -> int:
-        RUNS[0] = 0
-        torch.manual_seed(0)
-        out, dx_fn, dw_fn = ckptfx.vjp_split(whole, x, params=params)
-        dx_fn(torch.ones_like(out))
-        dw_fn()
-        return RUNS[0]
+    split_step, whole_split_step = split_step_of(stage), split_step_of(whole)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         runs = {"fused": fused_step(), "vjp_split": split_step(),
                 "whole-model vjp_split": whole_split_step()}
-    split_times: dict[str, list[float]] = {"fused": [], "vjp_split": []}
-    for _ in range(args.rounds):
-        for name, fn in (("fused", fused_step), ("vjp_split", split_step)):
-            t = time.perf_counter()
-            fn()
-            split_times[name].append(time.perf_counter() - t)
-    ratio = statistics.median(split_times["vjp_split"]) / statistics.median(split_times["fused"])
+    split_times = medians(rounds_of({"fused": fused_step, "vjp_split": split_step}, args.rounds,
+                                    clock=time.perf_counter))
+    ratio = split_times["vjp_split"] / split_times["fused"]
     print(f"\nsplit, blocks compiled then ckptfx.checkpoint: vjp_split (prefire + dx + dw) "
           f"{ratio:.3f}x one fused backward; block runs per step: "
           + ", ".join(f"{k} {v / args.blocks:.0f}" for k, v in runs.items()))

@@ -1,7 +1,7 @@
 """Benchmark: what keeping collectives costs a checkpoint forward once torch.distributed is up.
 
 Where ``torch.distributed`` is initialized, ``ckptfx.checkpoint``'s forward runs under a
-dispatch mode that logs the block's collectives (``ckptfx._collectives``), so its replay never
+dispatch mode that logs the block's collectives (``ckptfx.kernel.collectives``), so its replay never
 calls one again. This times the forward of one checkpoint call on a tiny block (sin of 4
 floats: the per-call cost) and of a stack of 6 checkpointed MLP blocks (d=256, batch 64, a
 forward and backward step), with a one-rank gloo process group initialized and destroyed in

@@ -1,6 +1,7 @@
 """Benchmark: remat over n repeated layers, memory and time against n.
 
-Variants, for a stack of n bench_split.py ``Block``s (pre-norm transformer, dropout 0.1):
+Variants, for a stack of n ``ckptfx.bench.blocks.Block``s (pre-norm transformer, dropout
+0.1):
 
 - ``none``: no checkpoint;
 - ``every1``: ``ckptfx.checkpoint_layers(layers, x, every=1)``, one checkpoint per layer;
@@ -23,36 +24,34 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from _memory import MMAP_ENV, MMAP_VALUE
+from ckptfx.bench.memory import MMAP_ENV, MMAP_VALUE, child_env
+from ckptfx.bench.child import answer, run_json, script_parser
 
 VARIANTS = ("none", "every1", "sqrt", "auto", "torch_seq", "ckptfx_seq")
 MIB = 2**20
 
 
 def _child(cfg: dict) -> dict:
-    import gc
     import math
 
     import torch
     import torch.utils.checkpoint as tcp
 
     import ckptfx
-    from _memory import reset_hwm, small_mmap_threshold, vm_hwm
-    from bench_split import Block
+    from ckptfx.bench.blocks import Block
+    from ckptfx.bench.memory import measured_steps, small_mmap_threshold
 
     assert small_mmap_threshold()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     n, d = cfg["n"], cfg["d"]
-    layers = torch.nn.ModuleList(Block(d) for _ in range(n))
+    layers = torch.nn.ModuleList(Block(d, dropout=0.1) for _ in range(n))
     segments = max(1, round(math.sqrt(n)))
     x = torch.randn(cfg["batch"], cfg["seq"], d, requires_grad=True)
     variant = cfg["variant"]
@@ -81,44 +80,21 @@ def _child(cfg: dict) -> dict:
         x.grad.zero_()
 
     step()
-    peaks, times = [], []
-    for _ in range(cfg["steps"]):
-        gc.collect()
-        reset_hwm()
-        start = vm_hwm()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-        peaks.append(vm_hwm() - start)
+    peaks, times = measured_steps(step, cfg["steps"])
     return {"peak": statistics.median(peaks), "time": statistics.median(times)}
 
 
 def _run_child(cfg: dict) -> dict:
-    env = dict(os.environ)
-    env[MMAP_ENV] = MMAP_VALUE
-    env["OMP_NUM_THREADS"] = "1"
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                           json.dumps(cfg)], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"subprocess for {cfg} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
+                    child_env(1), f"subprocess for {cfg}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true")
+    parser = script_parser(__doc__, d=64, seq=128, batch=8, steps=3)
     parser.add_argument("--ns", default="4,9,16,36")
-    parser.add_argument("--d", type=int, default=64)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(_child(json.loads(args.child))))
-        return 0
+        return answer(_child, args.child)
     ns = [4, 9] if args.quick else [int(s) for s in args.ns.split(",")]
     t0 = time.perf_counter()
     print(f"{MMAP_ENV}={MMAP_VALUE}, 1 thread, fresh subprocess per (n, variant); "

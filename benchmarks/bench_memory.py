@@ -4,9 +4,9 @@ Variants, per model: ``none`` (no checkpoint), ``torch`` (``torch.utils.checkpoi
 ``use_reentrant=False``), ``ckptfx`` (``ckptfx.checkpoint``) and ``remat`` (``ckptfx.remat``,
 default policy: keep nothing but the inputs). Models:
 
-- ``encoder``: ``make_stack`` of bench_checkpoint.py, ``nn.TransformerEncoderLayer`` blocks
-  (pre-norm, dropout 0.1);
-- ``block``: bench_split.py's ``Block`` (pre-norm, dropout 0.1 on attention and MLP);
+- ``encoder``: ``ckptfx.bench.blocks.encoder_stack``, ``nn.TransformerEncoderLayer`` blocks
+  (pre-norm, dropout 0.1), as bench_checkpoint.py measures;
+- ``block``: ``ckptfx.bench.blocks.Block`` (pre-norm, dropout 0.1 on attention and MLP);
 - ``llama``: ``transformers``' ``LlamaDecoderLayer`` from a small ``LlamaConfig`` built here
   (no download), rotary embeddings from ``LlamaRotaryEmbedding``, computed once outside the
   layers as ``LlamaModel`` does. Skipped with a note when transformers is not importable.
@@ -34,15 +34,17 @@ remat), ``--busy`` (a busy-looping process beside the measurements), ``--blocks 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
-from _memory import MMAP_ENV, MMAP_VALUE
+from ckptfx.bench.figures import verdict
+from ckptfx.bench.memory import MMAP_ENV, MMAP_VALUE, child_env
+from ckptfx.bench.child import answer, run_json, script_parser
 
 VARIANTS = ("none", "torch", "ckptfx", "remat")
 MODELS = ("encoder", "block", "llama", "llama_style")
@@ -59,7 +61,8 @@ def _child(cfg: dict) -> dict:
     import torch.utils.checkpoint as tcp
 
     import ckptfx
-    from _memory import reset_hwm, small_mmap_threshold, vm_hwm
+    from ckptfx.bench.blocks import Block, encoder_stack
+    from ckptfx.bench.memory import Meter, small_mmap_threshold
 
     assert small_mmap_threshold(), "the subprocess must start with the small mmap threshold"
     torch.set_num_threads(cfg["threads"])
@@ -70,14 +73,10 @@ def _child(cfg: dict) -> dict:
     # Each model is a list of blocks ``fn(h, *extra) -> h`` and the extra tensors they read.
     extra: tuple = ()
     if model == "encoder":
-        from bench_checkpoint import make_stack
-
-        mods = list(make_stack(cfg["blocks"], d, "cpu"))
+        mods = list(encoder_stack(cfg["blocks"], d))
         fns = mods
     elif model == "block":
-        from bench_split import Block
-
-        mods = [Block(d) for _ in range(cfg["blocks"])]
+        mods = [Block(d, dropout=0.1) for _ in range(cfg["blocks"])]
         fns = mods
     elif model == "llama":
         from transformers import LlamaConfig
@@ -145,26 +144,19 @@ def _child(cfg: dict) -> dict:
             p.grad = None
         x.grad = None
 
-    def vm_rss() -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("VmRSS not in /proc/self/status")
-
     if cfg["warmup"]:
         backward(forward())
         clear_grads()
     result = {"forward": [], "held": [], "step": []}
+    meter = Meter(torch.device("cpu"))
     for _ in range(cfg["steps"]):
         gc.collect()
-        reset_hwm()
-        start = vm_hwm()
+        meter.start()
         loss = forward()
-        result["forward"].append(vm_hwm() - start)
-        result["held"].append(vm_rss() - start)
+        result["forward"].append(meter.peak())
+        result["held"].append(meter.now())
         backward(loss)
-        result["step"].append(vm_hwm() - start)
+        result["step"].append(meter.peak())
         del loss
         clear_grads()
     return result
@@ -174,15 +166,9 @@ def _child(cfg: dict) -> dict:
 
 
 def _run_child(cfg: dict) -> dict:
-    env = dict(os.environ)
-    env[MMAP_ENV] = MMAP_VALUE
-    env["OMP_NUM_THREADS"] = str(cfg["threads"])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
-                          env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"subprocess for {cfg['model']}/{cfg['variant']} failed:\n"
-                           f"{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
+                    child_env(cfg["threads"]),
+                    f"subprocess for {cfg['model']}/{cfg['variant']}")
 
 
 def _have_transformers() -> str | None:
@@ -195,21 +181,15 @@ def _have_transformers() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="small shapes, one repeat")
+    parser = script_parser(__doc__, d=256, seq=128, batch=8, steps=2)
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, from {','.join(MODELS)}")
     parser.add_argument("--blocks", type=int, default=6, help="encoder/block stack depth")
     parser.add_argument("--layers", type=int, default=4, help="llama decoder layers")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
                         help="llama attention implementation")
-    parser.add_argument("--d", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2,
                         help="subprocesses per checkpoint variant (none: one)")
-    parser.add_argument("--steps", type=int, default=2, help="measured steps per subprocess")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--retain-graph", action="store_true")
     parser.add_argument("--no-warmup", action="store_true",
@@ -220,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run a busy-looping process beside the measurements")
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(_child(json.loads(args.child))))
-        return 0
+        return answer(_child, args.child)
     if args.quick:
         # A smoke run: at these sizes a few pages of noise move the ratios by percents.
         args.blocks, args.layers, args.d, args.seq, args.batch = 3, 2, 128, 64, 4
@@ -275,11 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     names = {"encoder": f"encoder x{args.blocks}", "block": f"Block x{args.blocks}",
              "llama": f"llama x{args.layers} ({args.attn})",
              "llama_style": f"llama-style x{args.layers}"}
-    print(f"\npeak resident memory above the step's start, MiB (fwd: forward only; held: left "
-          f"after the forward; step: forward + backward)")
+    print("\npeak resident memory above the step's start, MiB (fwd: forward only; held: left "
+          "after the forward; step: forward + backward)")
     head = f"  {'model':22s} {'kind':5s}" + "".join(f" {v:>7s}" for v in VARIANTS)
     print(head + f" {'ckptfx/torch':>13s} {'remat/torch':>12s}")
-    met = True
+    figures: dict[str, float] = {}
+    targets: list[Any] = []
     for model, med in rows:
         for kind, label in (("forward", "fwd"), ("held", "held"), ("step", "step")):
             vals = "".join(f" {med[v][kind]:7.1f}" for v in VARIANTS)
@@ -287,16 +267,16 @@ def main(argv: list[str] | None = None) -> int:
             ratios = (f" {med['ckptfx'][kind] / ref:13.3f} {med['remat'][kind] / ref:12.3f}"
                       if ref > 0 else "")
             print(f"  {names[model]:22s} {label:5s}{vals}{ratios}")
-        step = med["torch"]["step"]
         # At the target's precision, two decimals: a reading moves by a few pages (under
         # 0.5% of these peaks) between processes.
-        if (round(med["ckptfx"]["step"] / step, 2) > 1.00
-                or round(med["remat"]["step"] / step, 2) > 1.00):
-            met = False
-    print(f"\ntarget (peak <= 1.00x torch's checkpoint) {'met' if met else 'NOT met'} "
-          f"(step peak at two decimals, every row: "
-          f"{', '.join(names[m] for m, _ in rows)}); "
-          f"{time.perf_counter() - t0:.0f} s")
+        for v in ("ckptfx", "remat"):
+            key = f"{model} {v}"
+            figures[key] = round(med[v]["step"] / med["torch"]["step"], 2)
+            targets.append((key, 1.0, f"{names[model]}: {v} step peak / torch's checkpoint, "
+                            "two decimals", None))
+    print(f"\nverdict (peak <= 1.00x torch's checkpoint); {time.perf_counter() - t0:.0f} s")
+    for line in verdict(figures, tuple(targets)):
+        print("  " + line)
     return 0
 
 

@@ -28,16 +28,16 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-from _memory import MMAP_ENV, MMAP_VALUE
+from ckptfx.bench.figures import medians, rounds_of
+from ckptfx.bench.memory import MMAP_ENV, MMAP_VALUE, child_env
+from ckptfx.bench.child import answer, run_json, script_parser
 
 VARIANTS = ("none", "torch", "ckptfx", "refill", "remat_refill")
 MIB = 2**20
@@ -116,7 +116,7 @@ def _memory_child(cfg: dict) -> dict:
     import torch
     from torch.profiler import profile
 
-    from _memory import reset_hwm, small_mmap_threshold, vm_hwm
+    from ckptfx.bench.memory import measured_steps, small_mmap_threshold
 
     assert small_mmap_threshold()
     torch.set_num_threads(1)
@@ -136,13 +136,7 @@ def _memory_child(cfg: dict) -> dict:
     loss.backward()
     grads = [p.grad.clone() for p in [x, *layers.parameters()]]
     torch.save(grads, cfg["grads"])
-    peaks = []
-    for _ in range(cfg["steps"]):
-        gc.collect()
-        reset_hwm()
-        start = vm_hwm()
-        step()
-        peaks.append(vm_hwm() - start)
+    peaks, _ = measured_steps(step, cfg["steps"])
     return {"held": held, "peak": statistics.median(peaks)}
 
 
@@ -151,49 +145,33 @@ def _time_child(cfg: dict) -> dict:
 
     torch.set_num_threads(1)
     forward, layers, x = _stepper(cfg)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(cfg["rounds"] + 1):
-        for v in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            t0 = time.perf_counter()
-            forward(v).backward()
-            if r:  # round 0 warms up
-                times[v].append(time.perf_counter() - t0)
+
+    def step(variant: str) -> Any:
+        def run() -> None:
+            forward(variant).backward()
             layers.zero_grad(set_to_none=False)
             x.grad.zero_()
-    return {v: statistics.median(ts) for v, ts in times.items()}
+        return run
+
+    return medians(rounds_of({v: step(v) for v in VARIANTS}, cfg["rounds"],
+                             clock=time.perf_counter))
 
 
 def _run_child(kind: str, cfg: dict) -> dict:
-    env = dict(os.environ)
-    env[MMAP_ENV] = MMAP_VALUE
-    env["OMP_NUM_THREADS"] = "1"
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind,
-                           json.dumps(cfg)], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"subprocess for {cfg} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, os.path.abspath(__file__), "--child", kind,
+                     json.dumps(cfg)], child_env(1), f"{kind} subprocess for {cfg}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true")
+    parser = script_parser(__doc__, d=256, seq=128, batch=8, steps=3, child_args=2)
     parser.add_argument("--bf16", action="store_true", help="CPU bf16 autocast")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--d", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     if args.child is not None:
         kind, cfg = args.child
-        child = _memory_child if kind == "memory" else _time_child
-        print(json.dumps(child(json.loads(cfg))))
-        return 0
+        return answer(_memory_child if kind == "memory" else _time_child, cfg)
     if args.quick:
         args.layers, args.d, args.rounds = 2, 64, 3
     import tempfile

@@ -3,7 +3,7 @@
     python benchmarks/bench_remat.py [--quick] [--repeats N]
 
 For each size and policy (nothing_saveable vs plain torch checkpoint, twice: as it runs, its
-calls after the first unrecorded and replayed by re-running the block (ckptfx.rerun), and
+calls after the first unrecorded and replayed by re-running the block (ckptfx.recording.unrecorded), and
 "recorded", every call recorded (always_record=True); dots_saveable vs torch SAC saving
 mm/addmm/bmm/baddbmm), in one run, alternating the variants, medians of:
   replay alone = one whole replay timed by itself (a saved tensor read outside backward);
@@ -12,7 +12,7 @@ mm/addmm/bmm/baddbmm), in one run, alternating the variants, medians of:
   fwd    = forward time; ops = ATen ops the replay ran (ckptfx: Segment.last_plan);
   replay peak = resident memory one whole replay needs above what was resident before it
                  (measured in a child process started with MALLOC_MMAP_THRESHOLD_=65536,
-                 see _memory.py; the timings run without it).
+                 see ckptfx/bench/memory.py; the timings run without it).
 Targets: replay <= 0.8x torch's, forward <= 1.1x torch's checkpoint forward.
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import subprocess
 import sys
@@ -28,20 +27,17 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
-from ckptfx.bench.overhead import Block  # the pre-norm transformer block, no dropout
-from _memory import MMAP_ENV, MMAP_VALUE, peak_above_start, small_mmap_threshold
+from ckptfx.bench.blocks import Block  # the pre-norm transformer block, no dropout
+from ckptfx.bench.memory import (MMAP_ENV, MMAP_VALUE, child_env, peak_above_start,
+                                 small_mmap_threshold)
+from ckptfx.bench.overhead import MATMULS  # what torch SAC saves: the matrix products
+from ckptfx.bench.variants import sac_policy
 
-aten = torch.ops.aten
-DOTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
-
-
-def sac_dots(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in DOTS else CheckpointPolicy.PREFER_RECOMPUTE
+sac_dots = sac_policy(MATMULS)
 
 
 def variants(block: Block) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -134,7 +130,7 @@ class _DotBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in DOTS:
+        if func in MATMULS:
             self.nbytes += out.numel() * out.element_size()
         return out
 
@@ -220,7 +216,7 @@ def main() -> None:
         measure(b, t, d, repeats)
         sys.stdout.flush()
         subprocess.run([sys.executable, __file__, "--replay-peak-of", str(b), str(t), str(d)],
-                       env={**os.environ, MMAP_ENV: MMAP_VALUE}, check=True)
+                       env=child_env(1), check=True)
 
 
 if __name__ == "__main__":

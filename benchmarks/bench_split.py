@@ -29,39 +29,21 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 
 import ckptfx
-import ckptfx.split as cx_split
-from _memory import peak_above_start, reexec_with_small_mmap_threshold
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block with dropout; ``calls[0]`` counts forward runs."""
-
-    def __init__(self, d: int, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.calls = [0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls[0] += 1
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        att = F.dropout((q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5).softmax(-1), 0.1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.dropout(F.gelu(self.fc1(self.ln2(x))), 0.1))
+import ckptfx.split.api as cx_split
+from ckptfx.bench.blocks import Block, count_runs
+from ckptfx.bench.figures import medians, rounds_of
+from ckptfx.bench.memory import peak_above_start, reexec_with_small_mmap_threshold
 
 
 class Stack(nn.Module):
+    """``n`` pre-norm transformer blocks with dropout, each under ``variant``'s checkpoint."""
+
     def __init__(self, d: int, n: int, variant: str) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.blocks = nn.ModuleList(Block(d, dropout=0.1) for _ in range(n))
         self.variant = variant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,24 +52,10 @@ class Stack(nn.Module):
                  else tcp.checkpoint(b, x, use_reentrant=False))
         return x
 
-    def runs(self) -> int:
-        return sum(b.calls[0] for b in self.blocks)
-
-    def reset(self) -> None:
-        for b in self.blocks:
-            b.calls[0] = 0
-
 
 def median_times(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():  # warm up
-        fn()
-    for _ in range(rounds):
-        for k, fn in fns.items():  # alternate the variants
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median seconds per call, the variants alternated (wall clock: as README's figures)."""
+    return medians(rounds_of(fns, rounds, clock=time.perf_counter))
 
 
 # -- (a) ------------------------------------------------------------------------------------
@@ -122,9 +90,7 @@ def bench_split_step(d: int, n: int, batch: int, seq: int, rounds: int) -> None:
     runs = {}
     for name, fn, stack in (("fused", fused, ck), ("vjp_split", split, ck),
                             ("torch_split", torch_split, tc)):
-        stack.reset()
-        fn()
-        runs[name] = stack.runs() / n
+        runs[name] = count_runs(stack.blocks, fn) / n
     for p in [*ck.parameters(), *tc.parameters()]:
         p.grad = None
     t = median_times({"fused": fused, "vjp_split": split, "torch_split": torch_split}, rounds)
@@ -169,10 +135,8 @@ def bench_pipeline(d: int, n: int, batch: int, seq: int, mbs: int, rounds: int) 
     }
     runs = {}
     for k, (step, chunks) in variants.items():
-        for c in chunks:
-            c.reset()
-        step()
-        runs[k] = sum(c.runs() for c in chunks) / (2 * n * mbs)
+        blocks = [b for c in chunks for b in c.blocks]
+        runs[k] = count_runs(blocks, step) / (2 * n * mbs)
     t = median_times({k: v[0] for k, v in variants.items()}, rounds)
     print(f"(b) pipeline step, one process, 2 stages x {n} checkpointed blocks, {mbs} "
           f"micro-batches of {batch}x{seq}x{d}:")
@@ -195,7 +159,7 @@ def bench_memory(d: int, n: int, batch: int, seq: int, rounds: int) -> None:
 
     print(f"(c) memory, {n} checkpointed transformer blocks d={d} batch={batch} seq={seq}:")
     for trim in (True, False):
-        cx_split._trim_enabled = trim
+        cx_split.trim_enabled = trim
         out, dx_fn, dw_fn = ckptfx.vjp_split(stack, xs[0], params=params)
         sid = dx_fn.session
         dx_fn.prefire()
@@ -219,11 +183,11 @@ def bench_memory(d: int, n: int, batch: int, seq: int, rounds: int) -> None:
     ffbbww()
     for _ in range(rounds):
         for trim in (True, False):
-            cx_split._trim_enabled = trim
+            cx_split.trim_enabled = trim
             for p in params:
                 p.grad = None
             peaks[trim].append(peak_above_start(ffbbww))
-    cx_split._trim_enabled = True
+    cx_split.trim_enabled = True
     pt, pa = statistics.median(peaks[True]), statistics.median(peaks[False])
     print(f"    F F B B W W peak RSS above start: trimmed {pt * mib:.1f} MiB, all retained "
           f"{pa * mib:.1f} MiB ({pt / max(pa, 1):.3f}x)")

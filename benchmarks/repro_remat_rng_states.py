@@ -18,11 +18,11 @@ import sys
 
 import torch
 import torch.utils.checkpoint as tcp
-from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch._C._profiler import _EventType
 
 import ckptfx
+from ckptfx.bench.blocks import encoder_stack
 
 
 def allocated_peak(fn) -> int:
@@ -44,11 +44,9 @@ def allocated_peak(fn) -> int:
 
 
 def main() -> None:
-    torch.manual_seed(0)
     torch.set_num_threads(1)
     blocks, d = 6, 256
-    stack = [nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.1, batch_first=True,
-                                        norm_first=True).train() for _ in range(blocks)]
+    stack = list(encoder_stack(blocks, d))  # seeded (0), 4 heads at d=256, training mode
     x = torch.randn(8, 128, d, requires_grad=True)
     remats = [ckptfx.remat(b) for b in stack]
 

@@ -5,7 +5,8 @@ non-reentrant checkpoint, with sessions and policies), ``apply_activation_checkp
 (one line for a whole model), ``remat`` with ``checkpoint_policies`` and ``checkpoint_name``,
 ``saved_residuals`` reports, scheduled recomputation (``recompute_handle`` and friends) and
 ``vjp_split`` / ``grad_split``. The guide and the API reference are in the docs
-(``mkdocs serve`` in a checkout; built from these docstrings).
+(``mkdocs serve`` in a checkout; built from these docstrings). How the package is laid out,
+and which way its imports point, is in README.md ("How it works").
 
 Example::
 
@@ -13,19 +14,14 @@ Example::
     ckptfx.apply_activation_checkpointing(model, policy=ckptfx.checkpoint_policies.dots_saveable)
 """
 
-from . import _compat
-from ._compile import CompiledBlockWarning, CompiledReplayWarning, CompileOffloadWarning
-from ._collectives import register_collective
-from .checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
-from .frame import CheckpointError
-from .integrations import apply_activation_checkpointing
-from .policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
-from .refill import refill_outputs
-from .remat import remat
-from .budget import memory_budget, memory_budget_policies
-from .sequential import checkpoint_layers, checkpoint_sequential
-from .residuals import Residual, print_saved_residuals, saved_residuals
-from .session import (
+from ckptfx import _compat
+from ckptfx.budget import memory_budget_policies
+from ckptfx.checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
+from ckptfx.integrations import apply_activation_checkpointing
+from ckptfx.kernel.collectives import register_collective
+from ckptfx.kernel.frame import CheckpointError
+from ckptfx.kernel.refill import refill_outputs
+from ckptfx.kernel.session import (
     RecomputeHandle,
     SessionStats,
     clear_recompute_session,
@@ -34,9 +30,12 @@ from .session import (
     recompute_session_ctx,
     recompute_session_stats,
 )
-from .split import grad_split, vjp_split
-
-checkpoint_policies.memory_budget = memory_budget
+from ckptfx.lowering import CompiledBlockWarning, CompiledReplayWarning, CompileOffloadWarning
+from ckptfx.policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
+from ckptfx.remat import remat
+from ckptfx.residuals import Residual, print_saved_residuals, saved_residuals
+from ckptfx.sequential import checkpoint_layers, checkpoint_sequential
+from ckptfx.split import grad_split, vjp_split
 
 _compat.import_npu()
 
@@ -44,34 +43,46 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
-    "apply_activation_checkpointing",
     "CompileOffloadWarning",
     "CompiledBlockWarning",
     "CompiledReplayWarning",
     "Offload",
+    "RecomputeHandle",
     "Residual",
+    "SessionStats",
     "UnusedNameWarning",
+    "apply_activation_checkpointing",
+    "checkpoint",
+    "checkpoint_layers",
     "checkpoint_name",
     "checkpoint_policies",
-    "memory_budget_policies",
-    "checkpoint_layers",
     "checkpoint_sequential",
-    "print_saved_residuals",
-    "remat",
-    "saved_residuals",
-    "RecomputeHandle",
-    "SessionStats",
-    "checkpoint",
     "checkpoint_wrapper",
     "clear_recompute_session",
+    "grad_split",
+    "memory_budget_policies",
     "noop_context_fn",
+    "print_saved_residuals",
     "recompute_handle",
     "recompute_handle_collector_ctx",
     "recompute_session_ctx",
     "recompute_session_stats",
     "refill_outputs",
     "register_collective",
+    "remat",
+    "saved_residuals",
     "unwrap_checkpoint",
-    "grad_split",
     "vjp_split",
 ]
+
+# Every public name reports where users import it from (as httpx does): ``ckptfx``, or the
+# public module that owns it (``ckptfx.policies``, ``ckptfx.budget``). The names that pickles
+# store keep theirs: policy classes name ``ckptfx.policies`` (its Rule 2), and torch's own
+# ``noop_context_fn`` stays torch's.
+for _name in __all__:
+    _obj = globals()[_name]
+    if (isinstance(_obj, type) or callable(_obj)) and hasattr(_obj, "__module__") and (
+            _obj.__module__.startswith("ckptfx.")
+            and _obj.__module__ not in ("ckptfx.policies", "ckptfx.budget")):
+        _obj.__module__ = __name__
+del _name, _obj

@@ -1,3 +1,3 @@
-from .cli import main
+from ckptfx.cli import main
 
 main()

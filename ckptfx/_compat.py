@@ -214,11 +214,11 @@ def functorch_level(compiling: bool | None = None) -> int:
     Asking functorch for its level creates the thread's functorch state, which from then on
     every autograd node run on that thread copies (torch saves and restores the thread-local
     state around each node): about 6 K more instructions per node under callgrind, 8% of a
-    small backward, 0.43 M per step of issue 17's split bench, in every backward of the
-    process. While any transform is active functorch keeps its front dispatch key in the
-    thread's included set (it adds it with the first layer and removes it with the last),
-    so that key answers "none" without touching the state. (Dynamo cannot trace that
-    read; it models functorch's level itself.) ``compiling``: ``is_compiling()``, where the
+    small backward, 0.43 M per step of the split benchmark (``ckptfx bench --overhead``), in
+    every backward of the process. While any transform is active functorch keeps its front
+    dispatch key in the thread's included set (it adds it with the first layer and removes it
+    with the last), so that key answers "none" without touching the state. (Dynamo cannot
+    trace that read; it models functorch's level itself.) ``compiling``: ``is_compiling()``, where the
     caller has asked already."""
     if compiling is None:
         compiling = torch.compiler.is_compiling()
@@ -336,7 +336,7 @@ def pipeline_stage_runtime_validate(stage: Any) -> bool:
     return bool(getattr(stage, "_runtime_validate", False))
 
 
-# -- FSDP2 (fully_shard) internals, for ckptfx._distributed ---------------------------------
+# -- FSDP2 (fully_shard) internals, for kernel/fsdp.py and split/data_parallel.py ---------------
 # A state (``FSDPState``) owns parameter groups (``FSDPParamGroup``); each group all-gathers
 # (``unshard``), reduce-scatters (``post_backward``) and frees (``reshard``) its parameters;
 # the root's final callback ends a backward. The flags below are what FSDPModule's public

@@ -44,11 +44,11 @@ class OpInfo:
         self.empty = func in _EMPTY_OPS
 
 
-_OP_INFO: dict[Any, OpInfo] = {}
+OP_INFO: dict[Any, OpInfo] = {}
 
 
 def op_info(func: Any) -> OpInfo:
-    info = _OP_INFO.get(func)
+    info = OP_INFO.get(func)
     if info is None:
-        info = _OP_INFO[func] = OpInfo(func)
+        info = OP_INFO[func] = OpInfo(func)
     return info

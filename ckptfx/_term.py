@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any, Iterator, Sequence
 
-__all__ = ["Progress", "have_rich", "human_bytes", "note", "progress", "rule", "table"]
+__all__ = ["Progress", "have_rich", "note", "progress", "rule", "table"]
 
 INSTALL_HINT = 'pip install "ckptfx[cli]"'
 _hinted = False
@@ -49,16 +49,6 @@ def _console() -> Any:
     # per line in logs.
     width = None if sys.stdout.isatty() else 160
     return Console(file=sys.stdout, highlight=False, soft_wrap=True, width=width)
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``: binary units, one decimal (bytes as an integer)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def note(text: str, style: str = "") -> None:

@@ -11,16 +11,12 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
-from . import _compat, _compile
-from ._debug import DebugLogs
-from . import _collectives
-from ._function_replay import rerun_function
-from .frame import (NULL_CONTEXT, CheckpointError, Frame, refuse_new_frame_in_scheduled_replay,
-                    tls, unpack_hook)
-from .refill import first_node, plain_saves, scope_on_top
-from .policies import (NameCheck, NothingSaveable, check_policy, name_check, nothing_saveable,
-                       shared_name_check)
-from ._collector import collect, uncollect
+from ckptfx import _compat
+from ckptfx import lowering
+from ckptfx.kernel.forward import run_checkpointed
+from ckptfx.kernel.frame import CheckpointError
+from ckptfx.policies.checks import NameCheck, check_policy, name_check, shared_name_check
+from ckptfx.policies.named import NothingSaveable, nothing_saveable
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
 
@@ -125,7 +121,7 @@ def checkpoint(
       unpack in a backward call replays ``function`` once for that call (its GraphTask) and
       hands each replayed tensor out once. ``retain_graph=True`` backward replays again each
       time. Inside ``ckptfx.recompute_session_ctx`` the replay is shared across backward
-      calls of the session instead (see ``ckptfx.session``).
+      calls of the session instead (see ``ckptfx.recompute_session_ctx``).
     - Nesting follows torch: an inner checkpoint owns its saved tensors, its inputs are saved
       by the parent, and a replay starts as if no checkpoint were active.
     - The replay restores the forward's CPU and accelerator RNG state (devices of positional
@@ -149,7 +145,7 @@ def checkpoint(
       run in and raise ``CheckpointError`` (pass a selective-checkpoint policy function as
       ``policy=``); under ``vmap``/``jvp`` they run as a plain checkpoint.
     - Under ``torch.compile`` (dynamo tracing this call) it is torch's checkpoint op, with
-      random numbers replayed on every backend (see ``ckptfx._compile``); it joins no
+      random numbers replayed on every backend (see ``ckptfx.lowering``); it joins no
       recompute session (a ``CompiledReplayWarning`` says so). To keep sessions, prefire
       and ``vjp_split``, compile the block and checkpoint the compiled block:
       ``checkpoint(torch.compile(block), x)`` replays its compiled code.
@@ -159,7 +155,7 @@ def checkpoint(
       Python function, is answered from that log instead of calling them again, so ranks
       cannot desynchronise by replaying different collectives. A replay that calls another
       collective than the forward raises ``CheckpointError``. FSDP2's own all-gathers are
-      not the block's and run as usual. See ``ckptfx._collectives``.
+      not the block's and run as usual. See ``ckptfx.kernel.collectives``.
 
     Args:
         function: the block; called as ``function(*args, **kwargs)``. Outputs may be any
@@ -298,11 +294,11 @@ def policy_under_func(context_fn: Any, debug: bool) -> Any:
 def torch_fallback(function: Callable[..., Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any], **options: Any) -> Any:
     """Hand the call to torch's checkpoint (under ``torch.compile``, which traces that one),
-    with the context of ``ckptfx._compile.checkpoint_context_fn`` (dynamo's eager backend
+    with the context of ``ckptfx.lowering.checkpoint_context_fn`` (dynamo's eager backend
     would otherwise recompute with new random numbers)."""
-    _compile.note_lowered("ckptfx.checkpoint")
+    lowering.note_lowered("ckptfx.checkpoint")
     options.pop("debug", None)  # op traces of a compiled graph's replay: none to show
-    options["context_fn"] = _compile.checkpoint_context_fn(
+    options["context_fn"] = lowering.checkpoint_context_fn(
         options.get("context_fn", noop_context_fn), options.get("preserve_rng_state", True))
     return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **options,
                                         **kwargs)
@@ -318,81 +314,18 @@ def run_with_policy(function: Callable[..., Any], args: tuple[Any, ...],
     each call may pass a new function, as Hugging Face passes a new ``functools.partial``
     per layer call).
     """
-    if _compat.is_compiling():  # as remat under compile (ckptfx._compile, Rule 1)
-        return _compile.lower(function, _compile.policy_context_fn(policy), args, kwargs,
+    if _compat.is_compiling():  # as remat under compile (ckptfx.lowering, Rule 1)
+        return lowering.lower(function, lowering.policy_context_fn(policy), args, kwargs,
                               "ckptfx.checkpoint(policy=...)")
-    _compile.policy_context_fn(policy)  # made now, outside compiled code, for compiled calls
+    lowering.policy_context_fn(policy)  # made now, outside compiled code, for compiled calls
     # Imported here, not at the top: a policy turns the call into a transform (remat), and
     # the kernel modules never import a transform at import time.
-    from .remat import RematOptions, call
+    from ckptfx.remat import RematOptions, call
 
     # nothing_saveable is remat's own default (None), without asking a policy per op
     decide = None if isinstance(policy, NothingSaveable) else policy
     return call(function, RematOptions(decide, early_stop, (), frozenset()), args, kwargs,
                 names)
-
-
-def run_checkpointed(
-    function: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    context_fn: Callable[[], tuple[ContextManager, ContextManager]] = noop_context_fn,
-    determinism_check: str = "default",
-    debug: bool = False,
-    preserve_rng_state: bool = True,
-    early_stop: bool = True,
-) -> Any:
-    """The forward of a checkpoint call, options already checked."""
-    if not torch.is_grad_enabled():
-        return function(*args, **kwargs)
-    if tls.scheduled_replay:
-        refuse_new_frame_in_scheduled_replay("a checkpoint")
-    logs = None
-    if debug:
-        logs = DebugLogs()
-        forward_ctx, recompute_ctx = logs.contexts()
-    elif context_fn is noop_context_fn:
-        forward_ctx = recompute_ctx = None
-    else:
-        forward_ctx, recompute_ctx = context_fn()
-    refill = scope_on_top()  # a ckptfx.refill_outputs() context around this block, if any
-    with plain_saves(refill):
-        frame = Frame(function, args, kwargs, rerun=rerun_function,
-                      preserve_rng_state=preserve_rng_state,
-                      determinism_check=determinism_check, early_stop=early_stop,
-                      recompute_ctx=recompute_ctx, debug=logs)
-    handles = collect(frame)
-    first = first_node() if refill is not None else None
-    suppressed = True
-    collectives = _collectives.forward_context(frame)
-    # frame.py Rule 4b: a frame handed to a scheduler reads its session replays in C
-    _compat.push_saved_tensors_hooks(
-        frame.pack, unpack_hook if handles is None else frame.reads.__getitem__)
-    try:
-        if forward_ctx is None and collectives is NULL_CONTEXT:
-            out = function(*args, **kwargs)  # nothing to enter: the common case, kept lean
-            suppressed = False
-        else:
-            with (forward_ctx if forward_ctx is not None else NULL_CONTEXT), collectives:
-                out = function(*args, **kwargs)
-                suppressed = False
-    except BaseException:
-        uncollect(handles, frame)
-        raise
-    finally:
-        _compat.pop_saved_tensors_hooks()
-    if suppressed:
-        uncollect(handles, frame)
-        raise RuntimeError(
-            "ckptfx.checkpoint: the forward context from context_fn suppressed an exception "
-            "raised by the checkpointed function; checkpoint has no output to return for a "
-            "failed forward."
-        )
-    frame.forward_finished(out)
-    if refill is not None:
-        refill.register(frame, out, args, first_node=first)
-    return out
 
 
 # checkpoint()'s keyword options when all are left at their defaults, read from the one place
@@ -510,7 +443,7 @@ def checkpoint_wrapper(module: M, **checkpoint_kwargs: Any) -> M:
     module.__dict__["_ckptfx_options"] = dict(checkpoint_kwargs)
     module.__dict__["_ckptfx_names"] = name_check(checkpoint_kwargs.get("policy"))
     if "policy" in checkpoint_kwargs:  # made now, outside compiled code, for compiled calls
-        _compile.policy_context_fn(checkpoint_kwargs["policy"])
+        lowering.policy_context_fn(checkpoint_kwargs["policy"])
     return module
 
 

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 import ckptfx
 
-from ._term import human_bytes, note, rule, table
-from .bench.sweep import BenchError
+from ckptfx._format import human_bytes
+from ckptfx._term import note, rule, table
+from ckptfx.bench.sweep import BenchError
 
 __all__ = ["main", "parse_policy", "parse_shape"]
 
@@ -71,7 +72,7 @@ def _block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
 
 def demo() -> None:
     """Parity and replay counts of checkpoint, remat and a split dx/dw backward."""
-    from .bench.split import count_split_replays
+    from ckptfx.bench.split import count_split_replays
 
     p = {k: v.requires_grad_() for k, v in _block_params().items()}
     x = torch.randn(2, 16, 32, requires_grad=True)
@@ -158,7 +159,7 @@ def parse_policy(spec: str) -> Any:
     names into one list (``save_and_offload_only_these_names:names_which_can_be_saved=a+b,
     names_which_can_be_offloaded=c``); numbers are read as numbers
     (``memory_budget:0.5``)."""
-    from .policies import Policy
+    from ckptfx.policies.protocol import Policy
 
     name, _, arg_text = spec.partition(":")
     cp = ckptfx.checkpoint_policies
@@ -299,8 +300,8 @@ def residuals(target: str | None, shapes: Sequence[str], policy_spec: str) -> No
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from . import bench
-    from .bench.variants import VARIANTS
+    from ckptfx import bench
+    from ckptfx.bench.variants import VARIANTS
 
     if args.rounds is not None and args.rounds < 1:
         raise UsageError(f"--rounds expects a positive integer, got {args.rounds}")
@@ -312,7 +313,7 @@ def _bench(args: argparse.Namespace) -> None:
                                  f"--quick, --only and --rounds")
         if args.device != "cpu":
             raise UsageError("--overhead measures CPU time on one thread: drop --device")
-        from .bench import overhead
+        from ckptfx.bench import overhead
         overhead.run(args.only, args.quick or args.tiny, args.rounds)
         return
     if args.only is not None or args.rounds is not None:

@@ -32,10 +32,11 @@ from typing import Any, Callable, TypeVar
 
 from torch import nn
 
-from .checkpoint import checkpoint, checkpoint_wrapper
-from ._policy_factories import checkpoint_function_error
-from .policies import check_policy
-from .budget import MemoryBudget, memory_budget_policies
+from ckptfx.checkpoint import checkpoint, checkpoint_wrapper
+from ckptfx.policies.named import checkpoint_function_error
+from ckptfx.policies.checks import check_policy
+from ckptfx.budget.planner import memory_budget_policies
+from ckptfx.policies.budget_policy import MemoryBudget
 
 __all__ = ["apply_activation_checkpointing", "find_blocks"]
 

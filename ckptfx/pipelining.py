@@ -62,18 +62,17 @@ from typing import Any, Hashable
 import torch
 import torch.distributed.pipelining as _tpp
 
-from . import _compat
-from ._distributed import unshard_fsdp_modules
-from .frame import tls
-from .session import (
-    RecomputeHandle,
+from ckptfx import _compat
+from ckptfx.kernel.fsdp import unshard_fsdp_modules
+from ckptfx.kernel.frame import tls
+from ckptfx.kernel.handles import RecomputeHandle, recompute_handle_collector_ctx
+from ckptfx.kernel.session import (
     clear_recompute_session,
     recompute_handle,
-    recompute_handle_collector_ctx,
     recompute_session_ctx,
 )
-from . import split as _split
-from ._weight_groups import trim_session, weight_pass_nodes
+from ckptfx.split import api as split_api
+from ckptfx.split.weight_groups import trim_session, weight_pass_nodes
 
 __all__ = ["PipelineStage"]
 
@@ -170,7 +169,7 @@ class PipelineStage(_tpp.PipelineStage):
         log: list = []
         try:
             # Replays read full parameters: unshard FSDP2 modules first, as FSDP's own
-            # pre-backward would (ckptfx._distributed).
+            # pre-backward would (ckptfx.split.data_parallel).
             unshard_fsdp_modules(self.submod)
             for h in handles:
                 recompute_handle(h, sid)
@@ -185,7 +184,7 @@ class PipelineStage(_tpp.PipelineStage):
                     act.log = None
             state = self.backward_state.get(bwd_chunk_id)
             groups = state[1] if state is not None else None
-            if groups and _split._trim_enabled:
+            if groups and split_api.trim_enabled:
                 keep = weight_pass_nodes((g["intermediates"], g["params"]) for g in groups)
                 trim_session(act.session, log, keep)
         except BaseException:

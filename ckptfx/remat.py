@@ -2,11 +2,11 @@
 
 Each call of a remat'd function is one kernel ``Frame`` (so collectors, prefire, sessions,
 ``grad_split`` and the GraphTask fallback work unchanged) whose forward runs under a
-``Tracer`` (trace.py): the policy decides per op what the backward keeps, and the replay
+``Tracer`` (tracer.py): the policy decides per op what the backward keeps, and the replay
 rebuilds only what was not kept, from the recorded ops, or by re-running the function when
 the recording cannot be shown faithful. A block whose policy keeps nothing is recorded on
 its first call per signature only; later calls may run unrecorded, replayed by re-running
-the function (ckptfx.rerun; ``always_record=True`` records every call).
+the function (ckptfx.recording.unrecorded; ``always_record=True`` records every call).
 
 Nesting rule (differs from JAX, where the outer policy wins): each remat'd block's own policy
 decides what that block keeps; an inner block's inputs are values of the outer block, kept
@@ -25,22 +25,27 @@ from typing import Any, Callable, Sequence, TypeVar
 import optree
 import torch
 
-from . import _compat, _compile
-from ._function_replay import rerun_function
-from .frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
-from .func import call_function_path
-from .policies import (
+from ckptfx import _compat
+from ckptfx.budget.planner import tracer_for
+from ckptfx.policies.budget_policy import MemoryBudget
+from ckptfx import lowering
+from ckptfx.kernel.function_replay import rerun_function
+from ckptfx.kernel.frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
+from ckptfx.func_path.call import call_function_path
+from ckptfx.policies.checks import (
     NameCheck,
-    NothingSaveable,
     check_policy,
     is_policy_like,
     name_check,
     positional_policy_message,
 )
-from .refill import first_node, plain_saves, scope_on_top
-from .rerun import plan_for
-from ._collector import collect, uncollect
-from .trace import Tracer, reporting, residual_unpack_hook
+from ckptfx.policies.named import NothingSaveable
+from ckptfx.kernel.refill import first_node, plain_saves, scope_on_top
+from ckptfx.recording.unrecorded import plan_for
+from ckptfx.kernel.handles import collect, uncollect
+from ckptfx.policies.tracer_stack import reporting
+from ckptfx.recording.packs import residual_unpack_hook
+from ckptfx.recording.tracer import Tracer
 
 __all__ = ["remat"]
 
@@ -166,16 +171,16 @@ def _decorate(fun: F, *, options: RematOptions) -> F:
     _check_static_against_signature(fun, options)
 
     names = name_check(options.policy)
-    lowered = _compile.Lowered(fun, options.policy)
+    lowered = lowering.Lowered(fun, options.policy)
     compiled = _compat.is_compiled_callable(fun)
-    learnt: dict[Any, Any] = {}  # what first calls taught (ckptfx.rerun, Rule 2)
+    learnt: dict[Any, Any] = {}  # what first calls taught (ckptfx.recording.unrecorded, Rule 2)
 
     @functools.wraps(fun)
     def remat_call(*args: Any, **kwargs: Any) -> Any:
         if _compat.is_compiling():  # dynamo traces this call: torch's checkpoint op
             return lowered(args, kwargs)
-        if compiled:  # checkpointed whole (_compile.py, Rule 6)
-            return _compile.call_compiled(fun, options.policy, options.early_stop, args,
+        if compiled:  # checkpointed whole (lowering.py, Rule 6)
+            return lowering.call_compiled(fun, options.policy, options.early_stop, args,
                                           kwargs)
         return call(fun, options, args, kwargs, names, learnt)
 
@@ -294,13 +299,13 @@ def _no_statics(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[tuple[Any, ...],
 def call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
          kwargs: dict[str, Any], names: NameCheck | None = None,
          learnt: dict[Any, Any] | None = None) -> Any:
-    """One remat call: flatten, trace under a new frame (or run it unrecorded: ckptfx.rerun),
-    return the outputs.
+    """One remat call: flatten, trace under a new frame (or run it unrecorded:
+    ckptfx.recording.unrecorded), return the outputs.
 
     ``names`` (the remat'd function's unused-name check) watches the ``checkpoint_name``
     calls of this forward until one forward has completed, then warns once if needed.
-    ``learnt`` is the remat'd function's cache for ckptfx.rerun (None: the one ``fun`` has,
-    found from ``fun``)."""
+    ``learnt`` is the remat'd function's cache for ckptfx.recording.unrecorded (None: the one
+    ``fun`` has, found from ``fun``)."""
     if names is None or names.done or not torch.is_grad_enabled():
         return _call(fun, options, args, kwargs, learnt)
     scope = names.open()
@@ -333,16 +338,15 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     pack: Callable[[torch.Tensor], Any]
     unpack: Callable[[Any], torch.Tensor]
     mode: Any
-    if plan is not None and plan.unrecorded:  # ckptfx.rerun: a plain kernel frame
+    if plan is not None and plan.unrecorded:  # ckptfx.recording.unrecorded: a plain kernel frame
         pack, unpack, mode = frame.pack, unpack_hook, _NO_MODE
     else:
         names = None
         if reporting():
             _, _, _, _, dyn_args, dyn_kwargs = flat.pytree()
             names = argument_names(fun, dyn_args, dyn_kwargs)
-        make_tracer = getattr(options.policy, "tracer_for", None)  # a memory budget plans
-        if make_tracer is not None:
-            tracer = make_tracer(fun, args, kwargs, tensors)(frame, tensors, names)
+        if isinstance(options.policy, MemoryBudget):  # a memory budget plans
+            tracer = tracer_for(options.policy, fun, args, kwargs, tensors)(frame, tensors, names)
         else:
             tracer = Tracer(frame, tensors, options.policy, names)
         pack, unpack, mode = tracer.pack, residual_unpack_hook, tracer

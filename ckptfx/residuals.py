@@ -17,13 +17,13 @@ import optree
 import torch
 from torch import nn
 
-from . import budget
-from ._term import human_bytes
-from .func import modules_read_by
-from .policies import everything_saveable
-from .remat import RematOptions, call, unwrap
-from ._tracers import tracer_stack as _stack
-from .trace import Tracer
+from ckptfx.budget import planner as budget
+from ckptfx._format import human_bytes
+from ckptfx.func_path.call import modules_read_by
+from ckptfx.policies.named import everything_saveable
+from ckptfx.remat import RematOptions, call, unwrap
+from ckptfx.policies.tracer_stack import tracer_stack as _stack
+from ckptfx.recording.tracer import Tracer
 
 __all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
 
@@ -107,7 +107,7 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
     report = _report(target, options, args, kwargs)
     notes = budget.take_notes()
     if any(note.planned_now for note in notes):
-        # A memory budget planned in that call (and kept nothing, budget.py Rule 1): run
+        # A memory budget planned in that call (and kept nothing, ckptfx.budget Rule 1): run
         # again to list what later calls keep. The plan is told once: by the planning
         # call's notes, which say that the list is a later call's.
         report = _report(target, options, args, kwargs)
@@ -186,7 +186,7 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
             total += storage[2]
             extra += storage[2]
     if any(r.kind == "offloaded" for r, _ in listed):
-        # torch's compiled checkpoint cannot offload (see ckptfx._compile, Rule 4)
+        # torch's compiled checkpoint cannot offload (see ckptfx.lowering, Rule 4)
         print("offloaded residuals stay in device memory when the block runs inside "
               "torch.compile")
     n, storages = len(listed), len(first_line)

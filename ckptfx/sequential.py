@@ -28,14 +28,14 @@ Rules
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .checkpoint import check_use_reentrant, checkpoint
-from .remat import remat
-from ._collector import forward_to_outer_collector, recompute_handle_collector_ctx
+from ckptfx.checkpoint import check_use_reentrant, checkpoint
+from ckptfx.remat import remat
+from ckptfx.kernel.handles import forward_to_outer_collector, recompute_handle_collector_ctx
 
 __all__ = ["checkpoint_layers", "checkpoint_sequential"]
 
@@ -64,7 +64,7 @@ def _run(functions: list[Callable[..., Any]], start: int, end: int) -> Callable[
 
 def _group_key(group: list[Callable[..., Any]]) -> tuple[Any, ...] | None:
     """What makes two groups of layers record the same ops (for a memory budget's plan
-    cache, budget.py): each layer's class and parameter and buffer shapes; None when a
+    cache, ckptfx.budget): each layer's class and parameter and buffer shapes; None when a
     layer is a plain function (its identity is then the key)."""
     key = []
     for f in group:

@@ -92,6 +92,22 @@ def maybe_autocast(enabled: bool) -> Iterator[None]:
         yield
 
 
+def input_grads(run: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
+                amp: bool = False) -> list[torch.Tensor]:
+    """The gradients of ``run(*xs).float().pow(2).sum()`` for fresh leaf copies ``xs`` of
+    ``inputs``, the forward under CPU bf16 autocast when ``amp``.
+
+    Example::
+
+        assert_bitwise(input_grads(ckptfx.remat(f), [x, w]), input_grads(f, [x, w]))
+    """
+    xs = [t.detach().clone().requires_grad_() for t in inputs]
+    with maybe_autocast(amp):
+        out = run(*xs)
+    out.float().pow(2).sum().backward()
+    return [x.grad for x in xs]
+
+
 def saved_hooks_stack_empty() -> bool:
     """True when no saved-tensor default hooks are pushed on this thread."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None

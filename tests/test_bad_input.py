@@ -1,4 +1,4 @@
-"""Bad input (issue 12, item 6): each misuse gets a clear error or warning, and leaves no state.
+"""Bad input: each misuse gets a clear error or warning, and leaves no state.
 
 Every test here ends with ``assert_clean()``: no saved-tensor hooks pushed, no session listed,
 no session bound on this thread, no name scope open.
@@ -16,8 +16,10 @@ import torch
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
-from ckptfx import policies, session as session_mod
-from ckptfx.frame import Frame, tls
+from ckptfx import policies
+from ckptfx.policies.names import name_scopes
+from ckptfx.kernel import session as session_mod
+from ckptfx.kernel.frame import Frame, tls
 
 from conftest import assert_bitwise, saved_hooks_stack_empty
 
@@ -28,7 +30,7 @@ def assert_clean() -> None:
     assert saved_hooks_stack_empty(), "saved-tensor hooks left pushed"
     assert ckptfx.recompute_session_stats() == {}, "a session was left behind"
     assert tls.activation is None, "a session is still bound on this thread"
-    assert policies._name_scopes.stack == [], "a name scope was left open"
+    assert name_scopes.stack == [], "a name scope was left open"
 
 
 # -- names given to the name-based policy factories -------------------------------------------
@@ -475,7 +477,7 @@ def test_unused_names_are_checked_per_thread() -> None:
     def run(which: str) -> None:
         try:
             blocks[which](torch.randn(4, requires_grad=True))
-            assert policies._name_scopes.stack == []
+            assert name_scopes.stack == []
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
@@ -577,7 +579,7 @@ def test_grad_split_hints_has_aux_for_a_pair() -> None:
     assert not ckptfx.recompute_session_stats()
 
 
-# -- what users bring from torch and JAX (a new user's trial, issue 17's tenth session) ------
+# -- what users bring from torch and JAX: their argument orders, names and habits ------------
 
 
 def _tiny_model() -> torch.nn.Module:
@@ -603,7 +605,7 @@ def test_a_checkpoint_function_where_the_policy_goes_is_refused_at_once() -> Non
             ckptfx.apply_activation_checkpointing(model, wrong)
     assert all(type(m).__name__ in ("Sequential", "Linear", "ReLU") for m in model.modules())
     x = torch.randn(2, 4, requires_grad=True)
-    with pytest.raises(TypeError, match="got the checkpoint function ckptfx.checkpoint.checkpoint"):
+    with pytest.raises(TypeError, match="got the checkpoint function ckptfx.checkpoint: "):
         ckptfx.remat(torch.sin, policy=ckptfx.checkpoint)
     with pytest.raises(TypeError, match="got the checkpoint function torch.utils.checkpoint"):
         ckptfx.checkpoint(torch.sin, x, policy=torch.utils.checkpoint.checkpoint)

@@ -22,7 +22,9 @@ D, ROWS, BLOCKS = 32, 128, 3
 OUT_BYTES = ROWS * D * 4  # one block output
 
 
-class Block(nn.Module):
+class TanhOutputBlock(nn.Module):
+    """A residual MLP ending in tanh, an op that saves its own output (the block's)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
@@ -33,7 +35,7 @@ class Block(nn.Module):
         return torch.tanh(x + self.down(torch.relu(self.up(x))))
 
 
-def held_after_forward(variant: Any, blocks: list[Block], head: nn.Linear) -> int:
+def held_after_forward(variant: Any, blocks: list[TanhOutputBlock], head: nn.Linear) -> int:
     """Net bytes allocated by one forward and still allocated at its end."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ def held_after_forward(variant: Any, blocks: list[Block], head: nn.Linear) -> in
 
 def test_block_outputs_are_held_once() -> None:
     torch.manual_seed(0)
-    blocks = [Block() for _ in range(BLOCKS)]
+    blocks = [TanhOutputBlock() for _ in range(BLOCKS)]
     head = nn.Linear(D, D)
     held = {str(v): held_after_forward(v, blocks, head)
             for v in ("plain", "torch", "ckptfx", cp.everything_saveable,

@@ -16,12 +16,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ckptfx
 from ckptfx import budget
+from ckptfx.budget.planner import _plans
+from ckptfx.recording.signature import signature
 from ckptfx import checkpoint_policies as cp
-from ckptfx._budget_cut import CutModel, hull_at
-from ckptfx._budget_model import pareto
-from ckptfx._tracers import tracer_stack
+from ckptfx.budget.cut import CutModel, hull_at
+from ckptfx.budget.model import pareto
+from ckptfx.policies.tracer_stack import tracer_stack
 
 from conftest import assert_bitwise, grads
+from models import Block
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -151,20 +154,20 @@ def test_budget_properties_on_random_blocks(seed: int, big: bool) -> None:
         nbytes, flops, _ = measure(block, cp.memory_budget(dots_b / every_b), x, seed)
         assert flops <= dots_f and nbytes <= dots_b
     if big:
-        (frontier,) = budget._plans[block].values()
+        (frontier,) = _plans[block].values()
         assert frontier.units > budget.EXACT_UNITS
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_planner_scores_what_the_tracer_does(seed: int) -> None:
-    """The planner's model of trace.py (which packs are kept, the replay's frontier, the
+    """The planner's model of tracer.py (which packs are kept, the replay's frontier, the
     ops the replay runs) agrees with measurement for every frontier point."""
     block = RandomBlock(100 + seed)
     x = torch.randn(block.d, block.d, requires_grad=True)
     every_f, _ = backward_flops(ckptfx.remat(block, policy=cp.everything_saveable), x)
     fn = ckptfx.remat(block, policy=cp.memory_budget(0.5))
     fn(x).sum().backward()
-    (frontier,) = budget._plans[block].values()
+    (frontier,) = _plans[block].values()
     assert frontier.exact  # proven by the solver, or every subset scored
     for p in frontier.points:
         f = p.nbytes / frontier.everything.nbytes if frontier.everything.nbytes else 1.0
@@ -177,7 +180,7 @@ def test_the_planner_scores_what_the_tracer_does(seed: int) -> None:
         assert flops - every_f == p.flops
 
 
-# -- the solver (ckptfx/_budget_cut.py) ------------------------------------------------------
+# -- the solver (ckptfx/budget/cut.py) ------------------------------------------------------
 
 
 def plan(block: Callable[..., Any], x: torch.Tensor, monkeypatch: pytest.MonkeyPatch,
@@ -190,7 +193,7 @@ def plan(block: Callable[..., Any], x: torch.Tensor, monkeypatch: pytest.MonkeyP
     torch.manual_seed(0)
     ckptfx.remat(block, policy=cp.memory_budget(0.5))(x).sum().backward()
     monkeypatch.undo()
-    (frontier,) = budget._plans[block].values()
+    (frontier,) = _plans[block].values()
     return frontier
 
 
@@ -364,11 +367,11 @@ def test_a_stopped_solver_reports_a_bound(max_cuts: int, monkeypatch: pytest.Mon
     block, _ = transformer_block()
     x = torch.randn(2, 8, 32, requires_grad=True)
     full = plan(block, x, monkeypatch)
-    budget._plans.pop(block)
+    _plans.pop(block)
     stopped = plan(block, x, monkeypatch, max_cuts=max_cuts)
     assert full.exact and full.units > budget.EXACT_UNITS and not stopped.exact
     assert stopped.proof is not None and stopped.proof.cuts <= max_cuts
-    budget._plans.pop(block)
+    _plans.pop(block)
     again = plan(block, x, monkeypatch, max_cuts=max_cuts)  # work is counted, not timed
     assert again.points == stopped.points and again.proof is not None
     assert again.proof.bounds == stopped.proof.bounds
@@ -469,9 +472,9 @@ def test_a_call_that_leaves_the_plan_is_still_exact() -> None:
         x.grad = w.grad = None
         # hashable non-tensor arguments are in the signature, so the call must be steered
         # to the True plan: the cursor sees other ops and falls back to recompute
-        plans = budget._plans[block]
+        plans = _plans[block]
         key = next(iter(plans))
-        plans[budget.signature((x, False), {}, [x])] = plans[key]
+        plans[signature((x, False), {}, [x])] = plans[key]
         fn(x, flag).sum().backward()
         assert_bitwise(grads([x, w]), ref)
 
@@ -563,7 +566,7 @@ def test_a_cached_plan_keeps_no_tensor_alive() -> None:
     ref = weakref.ref(lin.weight)
     ckptfx.remat(block, policy=cp.memory_budget(0.5))(lin, torch.randn(4, 8, requires_grad=True)
                                                       ).sum().backward()
-    assert budget._plans[block]  # planned
+    assert _plans[block]  # planned
     del lin
     gc.collect()
     assert ref() is None
@@ -575,16 +578,7 @@ def test_a_block_of_a_model_budget_reports_its_share_as_its_budget(
     the model's budget, which may exceed its even split: the report names that share as
     the budget the block was held to (not the even split it exceeds)."""
     torch.manual_seed(0)
-
-    class Layer(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.b(torch.nn.functional.gelu(self.a(x)))
-
-    layers = torch.nn.ModuleList(Layer() for _ in range(3))
+    layers = torch.nn.ModuleList(Block(32, 128, p=0.0) for _ in range(3))  # no dropout
     policies = budget.memory_budget_policies(layers, 0.3)
     calls = [ckptfx.remat(layer.forward, policy=p) for layer, p in zip(layers, policies)]
     x = torch.randn(4, 8, 32, requires_grad=True)

@@ -1,11 +1,14 @@
 """Behaviour of ``ckptfx.checkpoint`` beyond one forward+backward, compared with torch's.
 
 Repeated backward, unpack outside backward, no_grad/inference_mode, per-call early stop,
-RNG and autocast handling, worker-thread backward, the torch.compile fallback, and leaks.
+RNG and autocast handling (the replay environment left whole when one of its contexts fails
+to exit, the autocast dtype of an "off" region restored), worker-thread backward, the
+torch.compile fallback, and leaks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import gc
@@ -145,6 +148,33 @@ def test_a_replay_that_raises_puts_rng_and_autocast_back(variant: str) -> None:
     assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # torch's default, untouched
 
 
+# Found in review of the kernel's replay environment (was test_review_regressions_3.py).
+def test_replay_env_leaves_every_context_when_one_exit_raises() -> None:
+    # A replay environment enters the forward's autocast and torch.device contexts; if one
+    # exit raises (here the device context's), the others are left all the same and the
+    # caller's RNG is put back: no autocast outlives the replay.
+    from ckptfx.kernel.replay_env import ReplayEnv
+
+    class ExitRaises:
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: object) -> None:
+            raise RuntimeError("device context exit failed")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        env = ReplayEnv([], True)
+    env.device_ctx = ExitRaises()
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="device context exit failed"):
+        with env.restored():
+            assert torch.is_autocast_enabled("cpu")
+            torch.rand(3)
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_preserve_rng_state_false_does_not_restore() -> None:
     torch.manual_seed(0)
     x = torch.randn(64, requires_grad=True)
@@ -182,6 +212,46 @@ def test_autocast_backward_outside_autocast(variant: str) -> None:
     got = torch.autograd.grad(out.float().sum(), [x, *lin.parameters()])  # no autocast here
     assert dtypes == [torch.bfloat16] * 3  # the replay ran in the forward's dtype
     assert_bitwise(got, expected)
+
+
+X2 = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+W = torch.randn(6, 6, generator=torch.Generator().manual_seed(2))
+
+
+def _ambient_autocast_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu"):  # no dtype: the one autocast around it holds, even off
+        y = x @ w
+    return (y.float().sin() * 2).sum(0)
+
+
+# Found in review of the replay's autocast state (was test_review_regressions_2.py).
+@pytest.mark.parametrize("forward_dtype,backward_dtype", [
+    (torch.float16, None),   # forward in fp16-then-off, backward outside autocast (bf16)
+    (None, torch.float16),   # forward outside autocast, backward in fp16-then-off
+])
+def test_replay_restores_the_autocast_dtype_of_an_off_region(
+        forward_dtype: torch.dtype | None, backward_dtype: torch.dtype | None) -> None:
+    # An "autocast off" state still carries a dtype and a cache flag, which an inner
+    # torch.autocast("cpu") takes up: the replay must restore them, as torch's does.
+    def around(dtype: torch.dtype | None) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if dtype is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=dtype))
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+        return stack
+
+    results = {}
+    for name, run in (("plain", _ambient_autocast_block),
+                      ("torch", lambda a, b: torch.utils.checkpoint.checkpoint(
+                          _ambient_autocast_block, a, b, use_reentrant=False)),
+                      ("ckptfx", lambda a, b: ckptfx.checkpoint(_ambient_autocast_block, a, b))):
+        x, w = X2.clone().requires_grad_(), W.clone().requires_grad_()
+        with around(forward_dtype):
+            out = run(x, w)
+        with around(backward_dtype):
+            results[name] = torch.autograd.grad(out.sum(), (x, w))
+    for name in ("torch", "ckptfx"):
+        assert all(torch.equal(a, b) for a, b in zip(results[name], results["plain"])), name
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
@@ -281,7 +351,7 @@ def test_is_compiling_branch_calls_torch_checkpoint(monkeypatch, wrapped: bool) 
     assert len(calls) == 1
     assert calls[0]["use_reentrant"] is False and calls[0]["early_stop"] is False
     # never torch's noop_context_fn (dynamo refuses it passed in): ckptfx's own, a partial
-    # dynamo accepts, which replays random numbers under the eager backend (_compile.py)
+    # dynamo accepts, which replays random numbers under the eager backend (lowering.py)
     assert calls[0]["context_fn"] is not torch_checkpoint.noop_context_fn
     assert isinstance(calls[0]["context_fn"], functools.partial)
     assert torch.equal(out, torch.nn.functional.linear(x, lin.weight, lin.bias))

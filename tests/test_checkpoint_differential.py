@@ -378,7 +378,10 @@ def test_selective_checkpoint_second_backward_same_error_as_torch() -> None:
 # -- checkpoint_wrapper ---------------------------------------------------------------------
 
 
-class _Block(nn.Module):
+class GatedBlock(nn.Module):
+    """A pre-norm residual MLP whose forward takes a keyword-only ``gate`` (the wrapper passes
+    keyword arguments through), its MLP an ``nn.Sequential`` (``ff``) whose runs a test counts."""
+
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(D)
@@ -392,7 +395,7 @@ class _Block(nn.Module):
 
 def _wrapper_run(variant: str, autocast: bool):
     torch.manual_seed(0)
-    model = nn.Sequential(_Block(), _Block())
+    model = nn.Sequential(GatedBlock(), GatedBlock())
     names_before = [n for n, _ in model.named_parameters()]
     keys_before = list(model.state_dict())
     if variant == "ckptfx":
@@ -400,7 +403,7 @@ def _wrapper_run(variant: str, autocast: bool):
             ckptfx.checkpoint_wrapper(block)
         assert [n for n, _ in model.named_parameters()] == names_before
         assert list(model.state_dict()) == keys_before
-        assert all(isinstance(b, _Block) for b in model)
+        assert all(isinstance(b, GatedBlock) for b in model)
     x = _x(4, D)
     gate = _x(D)
     with maybe_autocast(autocast):
@@ -426,7 +429,7 @@ def test_checkpoint_wrapper(autocast: bool) -> None:
 
 def test_checkpoint_wrapper_replays_once_per_backward() -> None:
     torch.manual_seed(0)
-    block = _Block()
+    block = GatedBlock()
     calls = Counted(lambda: None)
     block.register_forward_pre_hook(lambda m, a: calls())  # runs on the wrapper's call only
     inner_calls = Counted(block.ff.forward)
@@ -436,7 +439,7 @@ def test_checkpoint_wrapper_replays_once_per_backward() -> None:
     assert calls.calls == 1  # module hooks are not re-run by the replay
     assert inner_calls.calls == 2  # the forward ran, then one replay
     ckptfx.unwrap_checkpoint(block)
-    assert type(block) is _Block
+    assert type(block) is GatedBlock
     block(_x(4, D)).sum().backward()
     assert inner_calls.calls == 3
 

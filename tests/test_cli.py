@@ -264,14 +264,14 @@ def test_bench_tiny_writes_results_and_plots(tmp_path: Path, plain: None,
 def test_bench_overhead_runs_from_the_package(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """``ckptfx bench --overhead`` (issue 17's figures) runs from an installed ckptfx, in any
-    directory; one round of remat's part is a smoke run."""
+    """``ckptfx bench --overhead`` (the per-call overhead figures) runs from an installed
+    ckptfx, in any directory; one round of remat's part is a smoke run."""
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()
     cli.main(["bench", "--overhead", "--quick", "--only", "remat", "--rounds", "1"])
     out = capsys.readouterr().out
     assert "nothing_saveable / torch checkpoint:" in out and "dots_saveable / torch SAC:" in out
-    assert "verdict on issue 17's targets" in out
+    assert "verdict on the per-call overhead targets" in out
     assert "remat nothing_saveable forward / torch checkpoint, d=64" in out
     assert torch.get_num_threads() == threads  # the one-thread setting is put back
 
@@ -340,7 +340,7 @@ def test_bench_vjp256_keeping_freed_memory_needs_no_child_when_this_process_keep
 
 
 def test_bench_overhead_verdict_names_each_target_and_its_floor() -> None:
-    from ckptfx.bench.overhead import verdict
+    from ckptfx.bench.figures import verdict
 
     lines = verdict({"split_sessions_vs_none": 1.29, "split_hook_floor_vs_none": 1.15,
                      "vjp256_vs_fused": 1.10, "vjp256_torch_plain_split_vs_fused": 1.12,
@@ -354,7 +354,7 @@ def test_bench_overhead_verdict_names_each_target_and_its_floor() -> None:
 
 
 def test_bench_ratio_figure_is_the_median_of_paired_rounds() -> None:
-    from ckptfx.bench._overhead_common import fmt, ratio
+    from ckptfx.bench.figures import fmt, ratio
 
     # The machine slows to half speed during the run: four of five rounds time a at 1.2x b,
     # one caught the change between a and b. The medians fall in different speeds.

@@ -4,7 +4,8 @@ What a replay runs, keeps and raises must not depend on how long anything took. 
 repeat one backward many times beside a busy process and count what the replay did (FLOPs
 and ATen ops, with torch's own counters), compare a short and a long tail, run the stop
 under torch-function modes and selective-checkpoint contexts, and compare with torch's
-checkpoint, which stops in the pack of the last saved tensor.
+checkpoint, which stops in the pack of the last saved tensor. An in-place op that packs its
+saved inputs before it runs ends a block as well: the deferred stop waits for it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 import ckptfx
-from conftest import assert_bitwise, run_variant
+from conftest import assert_bitwise, input_grads, run_variant
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -335,3 +336,37 @@ def test_stop_in_the_pack_of_an_output_even_when_the_last_op_saves_several() -> 
         out = run_variant(variant, block, x, w)
         assert_bitwise(torch.autograd.grad(out.sum(), [x, w]), g_plain)
         assert after[0] == 1, variant  # the forward only
+
+
+# An in-place op that packs its saved inputs before it runs: the deferred stop must wait for it.
+X2 = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+W = torch.randn(6, 6, generator=torch.Generator().manual_seed(2))
+
+
+# Found in review of the deferred early stop (was test_review_regressions_2.py).
+def test_early_stop_inplace_mul_by_tensor_as_last_op() -> None:
+    # mul_ by a tensor that requires grad saves a copy of self, then runs; torch's C++ sets
+    # _backward_hooks through the Python setter afterwards (an earlier deferred stop saw that
+    # as "the next torch call" and raised a SystemError).
+    calls = []
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return (x @ w).mul_(w[0])
+
+    ref = input_grads(block, [X2, W])
+    calls.clear()
+    got = input_grads(lambda x, w: ckptfx.checkpoint(block, x, w), [X2, W])
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert len(calls) == 2  # forward + one replay
+
+
+# Found in review of the deferred early stop (was test_review_regressions_2.py).
+def test_early_stop_inplace_mul_under_user_function_mode() -> None:
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).div_(w[0].abs() + 1)
+
+    with Passthrough():
+        ref = input_grads(block, [X2, W])
+        got = input_grads(lambda x, w: ckptfx.checkpoint(block, x, w), [X2, W])
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))

@@ -96,7 +96,8 @@ def test_session_found_on_autograd_device_threads() -> None:
 
 
 def test_offloaded_residuals_live_in_pinned_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptfx.trace as trace
+    import ckptfx.recording.tracer as trace
+    from ckptfx.recording.packs import _Offloaded
 
     device = torch.device(ACC.type, 0)
     p, x = _params(device), torch.randn(8, 32, device=device, requires_grad=True)
@@ -108,7 +109,7 @@ def test_offloaded_residuals_live_in_pinned_host_memory(monkeypatch: pytest.Monk
                         lambda self: (tracers.append(self), finish(self))[1])
     out = block(p, x)
     packed = [ref() for ref in tracers[0].seg.kept.values() if ref() is not None]
-    offloaded = [k for k in packed if isinstance(k, trace._Offloaded)]
+    offloaded = [k for k in packed if isinstance(k, _Offloaded)]
     assert offloaded
     for k in offloaded:  # between forward and backward the residual is on the host, pinned
         assert k.tensor.device.type == "cpu" and k.tensor.is_pinned()

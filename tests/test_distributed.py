@@ -2,7 +2,8 @@
 around an FSDP2 module call, and a 2 x 2 pipeline x FSDP2 run.
 
 The single-process tests use a custom op registered with ``ckptfx.register_collective`` (a
-counter inside it counts its runs). The multi-process tests spawn gloo ranks once per world
+counter inside it counts its runs), and check that the cached "is torch.distributed
+initialized" test follows the c10d state torch has in place. The multi-process tests spawn gloo ranks once per world
 size (``_distributed_workers``), run every check there, and assert on what each rank
 returned; the workers destroy their process groups in a ``finally`` and the parent waits
 with a timeout.
@@ -72,7 +73,7 @@ def _runs_and_grad(name: str) -> tuple[int, torch.Tensor]:
 def registered() -> Any:
     ckptfx.register_collective(FAKE)
     yield
-    from ckptfx import _collectives
+    from ckptfx.kernel import collectives as _collectives
     _collectives._registered.discard(FAKE)
     _collectives._KIND.pop(FAKE, None)
 
@@ -120,7 +121,7 @@ def test_a_collective_returning_a_tensor_subclass_is_refused_in_the_forward() ->
     # the forward says so, rather than the replay handing out an empty tensor.
     from torch.testing._internal.two_tensor import TwoTensor
 
-    from ckptfx import _collectives
+    from ckptfx.kernel import collectives as _collectives
     op = torch.ops.aten.sin.default
     ckptfx.register_collective(op)
     try:
@@ -136,6 +137,26 @@ def test_a_collective_returning_a_tensor_subclass_is_refused_in_the_forward() ->
 def test_register_collective_names_what_it_expects() -> None:
     with pytest.raises(TypeError, match="register_collective: op must be"):
         ckptfx.register_collective("c10d.allreduce_")
+
+
+# Found in review of the cached torch.distributed check (was test_review_regressions_3.py).
+def test_distributed_check_follows_a_replaced_c10d_world(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    # torch may replace c10d's state object at run time (its threaded test harness does):
+    # the check reads the one in place now, as torch.distributed.is_initialized does.
+    from ckptfx import _compat
+    from ckptfx.kernel import collectives as _collectives
+
+    c10d = torch.distributed.distributed_c10d
+
+    class World:
+        default_pg = object()
+
+    assert _compat.distributed_initialized() is torch.distributed.is_initialized()
+    monkeypatch.setattr(c10d, "_world", World())
+    assert torch.distributed.is_initialized() is True
+    assert _compat.distributed_initialized() is True
+    assert _collectives.watch_needed() is True
 
 
 # -- two gloo ranks ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from ckptfx import integrations, pipelining, policies
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE_FILE = re.compile(
-    r"\b(_?[a-z_]+)\.py\b(?!:\d)"  # "see trace.py"; "model.py:12" (a report line) is fine
+    r"\b(_?[a-z_]+)\.py\b(?!:\d)"  # "see tracer.py"; "model.py:12" (a report line) is fine
 )
 
 

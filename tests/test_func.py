@@ -16,7 +16,7 @@ from torch.func import functional_call, grad, grad_and_value, hessian, jacfwd, j
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptfx
-import ckptfx.func as cfunc
+import ckptfx.func_path.call as cfunc
 from ckptfx import checkpoint_policies as cp
 from conftest import Counted, assert_tree_bitwise, maybe_autocast
 
@@ -30,16 +30,16 @@ POLICIES = {"none": None, "nothing": cp.nothing_saveable, "dots": cp.dots_saveab
 
 
 @pytest.fixture
-def blocks(monkeypatch: pytest.MonkeyPatch) -> list[cfunc._Block]:
-    """Every ``_Block`` (one remat call on the torch.func path) made during the test."""
-    made: list[cfunc._Block] = []
-    init = cfunc._Block.__init__
+def blocks(monkeypatch: pytest.MonkeyPatch) -> list[cfunc.FuncBlock]:
+    """Every ``FuncBlock`` (one remat call on the torch.func path) made during the test."""
+    made: list[cfunc.FuncBlock] = []
+    init = cfunc.FuncBlock.__init__
 
-    def recording_init(self: cfunc._Block, *args: Any, **kwargs: Any) -> None:
+    def recording_init(self: cfunc.FuncBlock, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         made.append(self)
 
-    monkeypatch.setattr(cfunc._Block, "__init__", recording_init)
+    monkeypatch.setattr(cfunc.FuncBlock, "__init__", recording_init)
     return made
 
 
@@ -207,6 +207,49 @@ def test_checkpoint_name_policies_on_the_func_path(policy: Any, blocks: list) ->
     (b,) = blocks
     assert [op for _, op, _, _ in b.kept_ops] == [torch.ops.aten.tanh.default]
     assert b.injected == 1
+
+
+# Kept outputs matched to the right op, and not rewritten through an alias.
+X2 = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+X3 = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(1))
+W = torch.randn(6, 6, generator=torch.Generator().manual_seed(2))
+
+
+def _func_grads(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.func.grad(lambda a, b: fn(a, b).pow(2).sum(), argnums=(0, 1))(x, W)
+
+
+# Found in review of the torch.func path's kept outputs (was test_review_regressions_2.py).
+def test_func_path_keep_not_matched_to_an_earlier_call_after_inplace_op() -> None:
+    # Under grad tracking, autograd copies ``self`` before ``mul_`` in the replay: the op
+    # indices shift by one, and the kept position of ``v``'s mm then holds ``u``'s mm.
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a = x.clone()
+        a.mul_(w[0])
+        u = a @ w
+        v = ckptfx.checkpoint_name(u.tanh() @ w, "v")
+        return (u + v).tanh()
+
+    r = ckptfx.remat(block, policy=cp.save_only_these_names("v"))
+    ref = _func_grads(block, X2)
+    got = _func_grads(r, X2)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+# Found in review of the torch.func path's kept outputs (was test_review_regressions_2.py).
+@pytest.mark.parametrize("policy", ["dots_saveable", "everything_saveable"])
+def test_func_path_kept_mm_rewritten_through_matmul_alias(policy: str) -> None:
+    # A 3-D matmul is mm + _unsafe_view: the view shares the mm's storage but not its version
+    # counter, so an in-place write to the result used to leave the kept mm looking intact.
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a = x @ w
+        a.add_(w[0])
+        return (a @ w).tanh()
+
+    r = ckptfx.remat(block, policy=getattr(cp, policy))
+    ref = _func_grads(block, X3)
+    got = _func_grads(r, X3)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
 # -- modules through functional_call ----------------------------------------------------------

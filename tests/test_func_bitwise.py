@@ -1,9 +1,9 @@
-"""The torch.func path bitwise against the same transform of the plain function (issue 12,
-items 1-3): grad, vjp, jvp, jacrev, jacfwd, hessian, vmap and vmap(grad) over blocks with a
-weight shared within and across calls, a tensor passed twice, ``w * w`` (two edges of one
-node), dropout on a non-contiguous input, CPU bf16 autocast (sdpa, matmul), integer outputs
-and integer arguments. Where the plain function itself fails under a transform, the remat'd
-one must fail with the same exception type; nothing is skipped."""
+"""The torch.func path bitwise against the same transform of the plain function: grad, vjp,
+jvp, jacrev, jacfwd, hessian, vmap and vmap(grad) over blocks with a weight shared within
+and across calls, a tensor passed twice, ``w * w`` (two edges of one node), dropout on a
+non-contiguous input, CPU bf16 autocast (sdpa, matmul), integer outputs and integer
+arguments. Where the plain function itself fails under a transform, the remat'd one must
+fail with the same exception type; nothing is skipped."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def test_func_path_bitwise_with_kept_values(case: str, transform: str, policy: A
         _compare(CASES[case], transform, policy, seed, False)
 
 
-def test_issue12_item1_minimal_reproduction() -> None:
+def test_nested_calls_sharing_a_weight_sum_its_gradients_under_grad() -> None:
     """``r(w, r(w, x))`` under torch.func.grad: each use of w inside a call hands its own
     gradient to the outer engine, which sums them as plain autograd does (was 34/50 seeds)."""
     f = lambda w, x: torch.tanh(x + w) * 1.5 + w  # noqa: E731
@@ -176,7 +176,7 @@ def test_issue12_item1_minimal_reproduction() -> None:
     assert wrong == 0
 
 
-def test_issue12_item2_minimal_reproductions() -> None:
+def test_jvp_primal_and_tangent_come_from_one_computation() -> None:
     """jvp's primal and tangent come from one computation, the plain function's."""
     f = lambda h: F.dropout(h.t(), 0.5, True) * h.t()  # noqa: E731
     h, t = torch.randn(4, 6), torch.randn(4, 6)
@@ -190,7 +190,7 @@ def test_issue12_item2_minimal_reproductions() -> None:
         assert_tree_bitwise(jvp(ckptfx.remat(g), (q,), (q,)), jvp(g, (q,), (q,)))
 
 
-def test_issue12_item3_minimal_reproductions() -> None:
+def test_integer_outputs_and_arguments_are_non_differentiable() -> None:
     """Integer outputs and arguments are non-differentiable, under every transform."""
     x, idx = torch.randn(3, 4), torch.tensor([0, 2])
     f = lambda x: (x.sin(), x.argmax(-1))  # noqa: E731

@@ -1,4 +1,4 @@
-"""remat on the torch.func path reads module parameters as inputs (issue 12, item 4).
+"""remat on the torch.func path reads module parameters as inputs.
 
 Two false "outside tensor" errors, from the fuzzer's minimal reproductions:
 
@@ -75,7 +75,7 @@ def test_named_parameters_dict_under_torch_func(transform: str, policy: str) -> 
         assert remat_calls[0] == 2  # the forward and one replay for the one backward
 
 
-def test_named_parameters_dict_issue_reproduction() -> None:
+def test_named_parameters_dict_under_grad_replays_once() -> None:
     model = _model()
     p = dict(model.named_parameters())
     x = torch.randn(5, 4)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import io
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -22,21 +22,9 @@ from ckptfx import checkpoint_policies as cp
 from ckptfx.integrations import find_blocks
 
 from conftest import OpCounter, assert_bitwise, maybe_autocast
+from models import Block
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 8, p: float = 0.1) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, 2 * d)
-        self.down = nn.Linear(2 * d, d)
-        self.drop = nn.Dropout(p)
-        self.calls = 0  # forward runs, replays included
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
 
 
 class Net(nn.Module):
@@ -44,7 +32,7 @@ class Net(nn.Module):
         super().__init__()
         self.embed = nn.Linear(8, 8)
         self.heads = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])  # shorter list
-        self.blocks = nn.ModuleList([Block(p=p) for _ in range(n)])
+        self.blocks = nn.ModuleList([Block(p=p, dropout_on_output=True) for _ in range(n)])
         self.mixed = nn.ModuleList([nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.GELU()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +167,7 @@ def test_check_fn_wraps_the_outermost_matches_and_never_the_model() -> None:
                                                                                   nn.Linear)))
     assert type(net) is Net
     assert all(type(b) is not Block and isinstance(b, Block) for b in net.blocks)
-    assert all(type(lin) is nn.Linear for b in net.blocks for lin in (b.up, b.down))
+    assert all(type(lin) is nn.Linear for b in net.blocks for lin in (b.fc1, b.fc2))
     assert type(net.embed) is not nn.Linear  # a Linear outside the blocks matches too
 
 
@@ -211,7 +199,7 @@ def test_own_model_gradients_bitwise(policy: Any, autocast: bool) -> None:
     net = Net()
     x = torch.randn(4, 8)
     loss, expected = _grads(net, x, autocast)
-    assert [b.calls for b in net.blocks] == [1, 1, 1]
+    assert [b.runs for b in net.blocks] == [1, 1, 1]
     keys = list(net.state_dict())
     assert ckptfx.apply_activation_checkpointing(net, policy=policy) is net
     got_loss, got = _grads(net, x, autocast)
@@ -221,7 +209,7 @@ def test_own_model_gradients_bitwise(policy: Any, autocast: bool) -> None:
     assert all(isinstance(b, Block) for b in net.blocks)
     # A plain checkpoint re-runs each block's forward once in the backward; a policy
     # replays the recorded ops instead (the Python forward runs once).
-    assert [b.calls for b in net.blocks] == [3, 3, 3] if policy is None else [2, 2, 2]
+    assert [b.runs for b in net.blocks] == [3, 3, 3] if policy is None else [2, 2, 2]
 
 
 def test_policy_decides_what_the_backward_recomputes() -> None:
@@ -259,10 +247,10 @@ def test_torch_save_and_load_keep_the_checkpointing(policy: Any) -> None:
     assert loaded.state_dict().keys() == net.state_dict().keys()
     x = torch.randn(4, 8)
     _, expected = _grads(net, x)
-    calls = [b.calls for b in loaded.blocks]
+    calls = [b.runs for b in loaded.blocks]
     _, got = _grads(loaded, x)
     assert_bitwise(got, expected)
-    assert [b.calls - c for b, c in zip(loaded.blocks, calls)] == [2 if policy is None else 1] * 3
+    assert [b.runs - c for b, c in zip(loaded.blocks, calls)] == [2 if policy is None else 1] * 3
 
 
 def test_differential_against_torch_apply_activation_checkpointing() -> None:
@@ -297,7 +285,7 @@ def test_differential_against_torch_apply_activation_checkpointing() -> None:
         assert list(net.state_dict()) == keys
         _, got = _grads(net, x)
         assert_bitwise(got, expected)
-        runs[variant] = [b.calls for b in blocks]
+        runs[variant] = [b.runs for b in blocks]
     assert runs["torch"] == runs["ckptfx"] == [2, 2, 2]
 
 

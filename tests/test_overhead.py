@@ -1,4 +1,4 @@
-"""Per-call overhead work (issue 17): the replay's early stop without its watch where the
+"""Per-call overhead work: the replay's early stop without its watch where the
 forward proves it needless (frame.py Rule 6b), the recorder's flat arguments, dw's contexts.
 
 Speed itself is measured in benchmarks/bench_overhead.py; these tests pin the behaviour the
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 
 import ckptfx
-from ckptfx._last_op import node_never_writes_an_input
-from ckptfx.trace import _flatten, _out_leaves
+from ckptfx.kernel.last_op import node_never_writes_an_input
+from ckptfx.recording.segment import flatten_tree, output_leaves
 from conftest import OpCounter, assert_bitwise
 
 
@@ -100,12 +100,12 @@ def test_nodes_judged_by_the_op_they_name() -> None:
 
 def test_recorder_keeps_number_lists_whole_and_flattens_tensor_lists() -> None:
     t, u = torch.randn(2), torch.randn(2)
-    leaves, spec = _flatten((t, [2, 3, 4]), {})
+    leaves, spec = flatten_tree((t, [2, 3, 4]), {})
     assert leaves[0] is t and leaves[1] == [2, 3, 4] and spec == (2, ())
-    leaves, spec = _flatten(([t, u], 0), {})
+    leaves, spec = flatten_tree(([t, u], 0), {})
     assert leaves[0] is t and leaves[1] is u and type(spec) is not tuple  # optree's spec
-    assert list(_out_leaves((t, None, u))) == [t, None, u]
-    assert _out_leaves(t) == (t,)
+    assert list(output_leaves((t, None, u))) == [t, None, u]
+    assert output_leaves(t) == (t,)
 
 
 def test_remat_with_view_sizes_and_cat_replays_bitwise() -> None:

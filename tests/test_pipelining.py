@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import (
@@ -25,28 +24,18 @@ import ckptfx
 from ckptfx.pipelining import PipelineStage
 
 from conftest import assert_bitwise
+from models import D, Block
 
-D, MB = 8, 4
+MB = 4  # micro-batches; D is models.Block's width
 
 
 pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-        self.runs = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
-        return x + self.fc2(F.dropout(torch.tanh(self.fc1(x)), 0.2, True))
-
-
 class Chunk(nn.Module):
     def __init__(self, variant: str) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks = nn.ModuleList([Block(act=torch.tanh, p=0.2) for _ in range(2)])
         self.variant = variant
         if variant == "wrap":  # ckptfx.checkpoint_wrapper on each block
             for b in self.blocks:

@@ -203,7 +203,7 @@ def test_offloaded_residuals_live_on_the_host_and_are_not_recomputed() -> None:
     policy = cp.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=["h"], offload_dst="cpu")
     packed: list[Any] = []
-    from ckptfx.trace import Tracer
+    from ckptfx.recording.tracer import Tracer
 
     original = Tracer.pack
 

@@ -1,5 +1,6 @@
 """ckptfx.remat: exact gradients under every policy, pytrees, static args, modules,
-torch.func.functional_call, replay mechanics, sessions, nesting, early stop, bad input."""
+torch.func.functional_call, replay mechanics (kept values and residuals written in place,
+frames freed with or without a backward), sessions, nesting, early stop, bad input."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import inspect
 import os
 import weakref
 from collections import namedtuple
-from typing import Any
+from typing import Any, Callable
 
 import optree
 import pytest
@@ -23,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckptfx
 from ckptfx import checkpoint_policies as cp
 
-from conftest import Counted, OpCounter, assert_bitwise, grads, maybe_autocast
+from conftest import (Counted, OpCounter, assert_bitwise, grads, input_grads,
+                      maybe_autocast)
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 aten = torch.ops.aten
@@ -146,6 +148,29 @@ def test_attention_gradients_bitwise_under_every_policy(policy: str, autocast: b
     assert_bitwise(run(block, leaves, x, autocast=autocast), expected)
 
 
+# Found in review of the fix for frames leaked by kept outputs (was test_review_regressions.py).
+def test_everything_saveable_still_exact_with_dropout_and_bf16():
+    # The detached residuals of the leak fix must not change any gradient.
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(4, 8), torch.randn(8, 8)
+
+    def block(x, w):
+        h = torch.nn.functional.dropout((x @ w).relu(), 0.3, training=True)
+        return torch.softmax(h @ w, dim=-1).tanh()
+
+    def run(fn):
+        x = x0.clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x, w)
+        return torch.autograd.grad(out.float().sum(), [x, w])
+
+    ref = run(block)
+    got = run(ckptfx.remat(block, policy=cp.everything_saveable))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
 # -- pytrees, static args, modules, functional_call ------------------------------------------
 
 Pair = namedtuple("Pair", ["a", "b"])
@@ -213,7 +238,7 @@ def test_static_argnums_and_argnames() -> None:
 
 
 def test_module_forward_decorated_with_remat() -> None:
-    class Block(nn.Module):
+    class RematForwardBlock(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 6)
@@ -225,10 +250,10 @@ def test_module_forward_decorated_with_remat() -> None:
             return self.fc2(F.dropout(torch.relu(self.fc1(x)), 0.25))
 
     torch.manual_seed(0)
-    m = Block()
+    m = RematForwardBlock()
     x = torch.randn(3, 6, requires_grad=True)
     leaves = [*m.parameters(), x]
-    expected = run(Block.forward.__wrapped__.__get__(m), leaves, x)
+    expected = run(RematForwardBlock.forward.__wrapped__.__get__(m), leaves, x)
     got = run(m, leaves, x)
     assert_bitwise(got, expected)
     assert m.calls == 2  # one plain, one remat forward; the backward replays the segment
@@ -326,6 +351,114 @@ def test_in_place_write_to_an_input_is_never_silently_wrong() -> None:
         torch.utils.checkpoint.checkpoint(f, x0.clone(), w, use_reentrant=False).sum().backward()
 
 
+def _output_and_grads(fn, x0, w0):
+    x = x0.clone().requires_grad_()
+    w = w0.clone().requires_grad_()
+    out = fn(x, w)
+    return out.detach(), torch.autograd.grad(out.sum(), [x, w])
+
+
+def _transpose_inplace_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # The matmul output is kept by dots_saveable because the replay of exp's output reads
+    # it; it is then rewritten in place. The kept value must be the pre-write one (or none).
+    h = x @ w
+    h2 = h.T.contiguous()
+    h2.t_()
+    h.add_(h2)
+    return h.exp()
+
+
+# Found in review of remat's kept values written in place (was test_review_regressions.py).
+@pytest.mark.parametrize("policy", [None, cp.dots_saveable, cp.everything_saveable])
+def test_value_kept_for_replay_then_rewritten_in_place(policy):
+    # Bug: the tracer detached held values inside the dispatch mode, where the alias gets its
+    # own version counter, so "not rewritten since" always held and the replay read (and
+    # wrote into) the rewritten tensor: gradients off by ~1e9.
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(4, 6), torch.randn(6, 6)
+    ref_out, ref = _output_and_grads(_transpose_inplace_block, x0, w0)
+    out, got = _output_and_grads(ckptfx.remat(_transpose_inplace_block, policy=policy), x0, w0)
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+# Found in review of remat's kept values written in place (was test_review_regressions.py).
+def test_kept_output_modified_after_forward_is_recomputed_not_read():
+    # Bug: a value kept for the replay (dots_saveable keeps the matmul output that relu's
+    # replay reads) that the caller then modifies in place was silently read by the replay.
+    # It is recomputed from the inputs instead: plain autograd, which never saved it (relu
+    # saves its output), is not affected by the write either.
+    def block(x, w):
+        h = x @ w
+        return h, h.relu()
+
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(6, 6, requires_grad=True)
+    got = []
+    for fn in (block, ckptfx.remat(block, policy=cp.dots_saveable)):
+        h, r = fn(x, w)
+        with torch.no_grad():
+            h.add_(5)
+        got.append(torch.autograd.grad(r.sum(), [x, w]))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+# Found in review of remat's saved residuals written in place (was test_review_regressions.py).
+def test_saved_residual_modified_after_forward_raises_like_autograd():
+    # Bug: saved-tensor hooks switch off autograd's version check; a residual kept by
+    # everything_saveable and modified in place was handed to the backward silently.
+    def block(x, w):
+        return (x @ w).exp()
+
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(6, 6, requires_grad=True)
+    plain = block(x, w)
+    plain.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(plain.sum(), [x, w])
+    out = ckptfx.remat(block, policy=cp.everything_saveable)(x, w)
+    out.mul_(2)
+    with pytest.raises(ckptfx.CheckpointError, match="modified in place"):
+        torch.autograd.grad(out.sum(), [x, w])
+
+
+# A 3-D matmul is mm + _unsafe_view: the view shares the mm's storage but not its version
+# counter, so an in-place write through it must not leave the kept mm looking intact.
+X3 = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(1))
+W = torch.randn(6, 6, generator=torch.Generator().manual_seed(2))
+
+
+def _add_after_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    a.add_(w[0])
+    return (a @ w).tanh()
+
+
+def _write_slice_after_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    a[..., :3].mul_(w[0, :3])
+    return (a @ w).tanh()
+
+
+def _write_unsafe_chunk(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    p, _ = torch.unsafe_chunk(a, 2, dim=-1)
+    p.mul_(2.0)
+    return (a @ w).tanh()
+
+
+# Found in review of remat's trace of matmul aliases (was test_review_regressions_2.py).
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fn", [_add_after_matmul, _write_slice_after_matmul,
+                                _write_unsafe_chunk])
+def test_remat_kept_mm_rewritten_through_matmul_alias(fn: Callable[..., torch.Tensor],
+                                                      amp: bool) -> None:
+    r = ckptfx.remat(fn, policy=cp.dots_saveable)
+    ref = input_grads(fn, [X3, W], amp)
+    got = input_grads(r, [X3, W], amp)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
 def _relu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return torch.relu(torch.relu(x @ w1) @ w2) @ w1.T
 
@@ -363,6 +496,26 @@ def test_frame_and_segment_are_freed_with_the_graph() -> None:
     del out, seg
     gc.collect()
     assert seg_ref() is None and kept() is None
+
+
+# Found in review of remat's frames dropped without a backward (was test_review_regressions.py).
+@pytest.mark.parametrize("policy", [cp.everything_saveable, cp.dots_saveable, None])
+def test_graph_dropped_without_backward_frees_frame(policy):
+    # Bug: a kept output of an op that saves its own output (relu, exp) held its autograd
+    # node through the packed tensor: a cycle through the C++ graph that gc cannot break,
+    # so every graph dropped without a backward leaked with all its activations.
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def block(x):
+        return (x @ w).relu().exp().sin()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        out = ckptfx.remat(block, policy=policy)(x)
+    assert len(handles) == 1 and handles[0].frame is not None
+    del out
+    gc.collect()
+    assert handles[0].frame is None
 
 
 def _dropout_relu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

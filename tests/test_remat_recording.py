@@ -1,4 +1,4 @@
-"""remat's recorder: blocks that were falsely "not replayable" (issue 12, item 5).
+"""remat's recorder: blocks that were falsely "not replayable" are replayed.
 
 From the fuzzer's minimal reproductions:
 
@@ -141,8 +141,8 @@ def test_replayed_from_the_recording_bitwise(name: str, policy: str, early_stop:
 
 
 def test_rrelu_noise_is_refilled_by_the_replay() -> None:
-    # The issue's reproduction: nothing kept, so the noise is recomputed by the recorded
-    # rrelu_with_noise (RNG recorded), not by re-running the block.
+    # Nothing kept: the noise is recomputed by the recorded rrelu_with_noise (RNG recorded),
+    # not by re-running the block.
     x, w = _leaves()
     expected = _plain(_rrelu, x, w)
     calls = [0]

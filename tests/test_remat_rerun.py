@@ -1,4 +1,4 @@
-"""remat's unrecorded calls (ckptfx.rerun): a block whose policy keeps nothing is recorded on
+"""remat's unrecorded calls (ckptfx.recording.unrecorded): a block whose policy keeps nothing is recorded on
 its first call per signature; later calls run as a plain kernel frame (no dispatch mode in the
 forward) and replay by re-running the block's Python, exactly; what a re-run cannot vouch for
 raises ``CheckpointError``, never a wrong gradient."""
@@ -17,7 +17,7 @@ from torch import nn
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
-from ckptfx.rerun import _restored
+from ckptfx.recording.unrecorded import _restored
 from conftest import OpCounter, assert_bitwise, maybe_autocast
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
@@ -27,7 +27,7 @@ def _modes() -> int:
     return torch._C._len_torch_dispatch_stack()
 
 
-class Block(nn.Module):
+class ModeNotingBlock(nn.Module):
     """Counts its runs and notes how many dispatch modes its forward ran under (a recorded
     call runs under remat's tracer)."""
 
@@ -45,7 +45,7 @@ class Block(nn.Module):
         return torch.tanh(self.lin2(h))
 
 
-def _step(fn, block: Block, x: torch.Tensor, seed: int) -> tuple[list, int, bool]:
+def _step(fn, block: ModeNotingBlock, x: torch.Tensor, seed: int) -> tuple[list, int, bool]:
     """(output and gradients, block runs in the backward, whether the forward was recorded)."""
     torch.manual_seed(seed)
     for p in block.parameters():
@@ -67,7 +67,7 @@ def test_later_calls_run_unrecorded_and_match_plain_and_torch(policy: str, bf16:
     output and gradient bitwise the plain block's, dropout included."""
     pol = {"default": None, "nothing": cp.nothing_saveable,
            "budget0": cp.memory_budget(0.0)}[policy]
-    block = Block()
+    block = ModeNotingBlock()
     rematted = ckptfx.remat(block.forward, policy=pol)
     torch_ckpt = lambda x: tcp.checkpoint(block, x, use_reentrant=False)  # noqa: E731
     x = torch.randn(4, 8)
@@ -110,7 +110,7 @@ def test_an_op_that_fills_the_buffer_it_saved_replays_exactly_when_unrecorded() 
 
 
 def test_policies_that_keep_something_are_always_recorded() -> None:
-    block = Block()
+    block = ModeNotingBlock()
     rematted = ckptfx.remat(block.forward, policy=cp.dots_saveable)
     for call in range(3):
         _, runs, recorded = _step(rematted, block, torch.randn(4, 8), call)
@@ -118,7 +118,7 @@ def test_policies_that_keep_something_are_always_recorded() -> None:
 
 
 def test_always_record_keeps_every_call_recorded() -> None:
-    block = Block()
+    block = ModeNotingBlock()
     rematted = ckptfx.remat(block.forward, always_record=True)
     for call in range(3):
         _, runs, recorded = _step(rematted, block, torch.randn(4, 8), call)
@@ -128,7 +128,7 @@ def test_always_record_keeps_every_call_recorded() -> None:
 
 
 def test_a_new_signature_or_training_flag_is_recorded_first() -> None:
-    block = Block()
+    block = ModeNotingBlock()
     rematted = ckptfx.remat(block.forward)
     seen = []
     for shape, training in [((4, 8), True), ((4, 8), True), ((2, 8), True), ((2, 8), True),
@@ -303,7 +303,7 @@ def test_a_nested_frame_keeps_the_block_recorded_from_then_on() -> None:
 def test_sessions_replay_an_unrecorded_call_once() -> None:
     """Prefire + dx + dw over an unrecorded call: one re-run for the whole split backward,
     gradients bitwise the plain ones."""
-    block = Block()
+    block = ModeNotingBlock()
     rematted = ckptfx.remat(block.forward)
     x = torch.randn(4, 8)
     _step(rematted, block, x, 0)  # the recorded first call
@@ -330,13 +330,13 @@ def test_sessions_replay_an_unrecorded_call_once() -> None:
 def test_checkpoint_with_a_keep_nothing_policy_learns_per_module() -> None:
     """checkpoint_wrapper(policy=nothing_saveable) makes a new bound method per call: what
     the first call learnt lives with the module."""
-    block = ckptfx.checkpoint_wrapper(Block(), policy=cp.nothing_saveable)
+    block = ckptfx.checkpoint_wrapper(ModeNotingBlock(), policy=cp.nothing_saveable)
     recorded = [_step(block, block, torch.randn(4, 8), s)[2] for s in range(3)]
     assert recorded == [True, False, False]
 
 
 def test_saved_residuals_still_reports_the_recording() -> None:
-    block = Block()
+    block = ModeNotingBlock()
     rematted = ckptfx.remat(block.forward)
     x = torch.randn(4, 8, requires_grad=True)
     first = [str(r) for r in ckptfx.saved_residuals(rematted, x)]
@@ -347,7 +347,7 @@ def test_saved_residuals_still_reports_the_recording() -> None:
 
 def test_unrecorded_calls_leave_nothing_alive() -> None:
     """The graph frees the frame; what the first call learnt holds its parameters weakly."""
-    block = Block()
+    block = ModeNotingBlock()
     rematted = ckptfx.remat(block.forward)
     x = torch.randn(4, 8, requires_grad=True)
     rematted(x).sum().backward()
@@ -470,7 +470,7 @@ def test_a_block_reading_a_cast_made_before_it_stays_recorded() -> None:
     with pytest.raises((RuntimeError, ckptfx.CheckpointError)):
         out.sum().backward()
     # autocast's cache: the weight was cast before the block in the same region.
-    m = Block()
+    m = ModeNotingBlock()
     rematted = ckptfx.remat(m.forward)
     xb = torch.randn(4, 8)
     for call in range(3):

@@ -18,28 +18,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import ckptfx
 from conftest import assert_bitwise
+from models import D, Block
 
 pytestmark = pytest.mark.usefixtures("no_sessions_left")
 
-D, H, B = 8, 16, 4
-
-
-class Block(nn.Module):
-    """A residual MLP with dropout; ``runs`` counts its runs (forward + replays)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(D, H), nn.Linear(H, D)
-        self.runs = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
-        return x + self.fc2(F.dropout(F.gelu(self.fc1(x)), 0.25, True))
+B = 4  # the batch; D is models.Block's width
 
 
 class PythonCalls:
@@ -116,7 +102,7 @@ def test_reads_follow_the_binding() -> None:
             assert len(frame.reads) == live
             torch.autograd.grad(out, x, gout, retain_graph=True)
             assert len(frame.reads) == live  # retained: still there for dw
-            ckptfx.session.tls.activation.record([])  # a logging dx leaves the dict
+            ckptfx.kernel.session.tls.activation.record([])  # a logging dx leaves the dict
             assert len(frame.reads) == 0
         assert len(frame.reads) == 0
         with ckptfx.recompute_session_ctx("mb", retain_on_unpack=False):
@@ -249,7 +235,7 @@ def test_a_clear_during_the_replay_keeps_nothing() -> None:
             got = list(torch.autograd.grad(out, [x, *params], gout, retain_graph=True))
         assert_bitwise(got, want)
         assert frame.session is None and frame.session_replay is None and not frame.reads
-        assert all(not isinstance(k, ckptfx.session.Session) for k in frame.replays)
+        assert all(not isinstance(k, ckptfx.kernel.session.Session) for k in frame.replays)
         runs = block.runs
         ckptfx.recompute_handle(handles[0], "s2")
         assert block.runs == runs + 1  # replayed for the new session, not the old replay

@@ -1,4 +1,5 @@
-"""Scheduled recomputation: collector, prefire, session contexts, clear, stats.
+"""Scheduled recomputation: collector, prefire, session contexts (also as decorators, and single
+use), clear, stats.
 
 Every test counts block runs with a counter inside the block and compares gradients bitwise
 (``torch.equal``) with the same computation without checkpointing, in fp32 and under CPU bf16
@@ -19,32 +20,34 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 
 import ckptfx
+from ckptfx.kernel import handles as handles_mod
+from ckptfx.kernel.frame import tls
+from models import D, Block
 
 pytestmark = pytest.mark.usefixtures("no_sessions_left")
 from ckptfx import CheckpointError
 
-D, H, B = 8, 16, 4
+B = 4  # the batch; D is models.Block's width
 AUTOCAST = [None, torch.bfloat16]
 
 
 # -- helpers ------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    """A residual MLP with dropout; ``runs`` counts forward calls (forward + replays)."""
+class FallibleBlock(Block):
+    """models.Block with a second, explicit dropout-like keep-mask after ``fc1``, a weakref
+    to each run's mask (``seen``), and runs that raise on demand (``fail_on``); ``runs``
+    counts forward calls (forward + replays)."""
 
-    def __init__(self, d: int = D, h: int = H, p: float = 0.25) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
-        self.p = p
-        self.runs = 0
         self.fail_on: set[int] = set()  # run numbers (1-based) that raise
         # weakref to each run's keep-mask: a saved tensor that does not require grad, so the
         # replay caches this very object (a tensor requiring grad is cached detached)
         self.seen: list[weakref.ref[torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
+        self.note_run()
         if self.runs in self.fail_on:
             raise RuntimeError(f"block failed on run {self.runs}")
         keep = torch.rand(x.shape[0], 1) > 0.1  # a second, explicit dropout-like mask
@@ -53,20 +56,20 @@ class Block(nn.Module):
         return x + self.fc2(F.dropout(F.gelu(h), self.p, self.training))
 
 
-def make_blocks(n: int = 2, seed: int = 0) -> list[Block]:
+def make_blocks(n: int = 2, seed: int = 0) -> list[FallibleBlock]:
     torch.manual_seed(seed)
-    return [Block().train() for _ in range(n)]
+    return [FallibleBlock().train() for _ in range(n)]
 
 
-def params_of(blocks: list[Block]) -> list[torch.Tensor]:
+def params_of(blocks: list[FallibleBlock]) -> list[torch.Tensor]:
     return [p for b in blocks for p in b.parameters()]
 
 
-def runs_of(blocks: list[Block]) -> list[int]:
+def runs_of(blocks: list[FallibleBlock]) -> list[int]:
     return [b.runs for b in blocks]
 
 
-def reset_runs(blocks: list[Block]) -> None:
+def reset_runs(blocks: list[FallibleBlock]) -> None:
     for b in blocks:
         b.runs = 0
 
@@ -76,7 +79,7 @@ def autocast_ctx(dtype: torch.dtype | None) -> Any:
         "cpu", enabled=False)
 
 
-def run_stack(blocks: list[Block], x: torch.Tensor, mode: str, **kw: Any) -> torch.Tensor:
+def run_stack(blocks: list[FallibleBlock], x: torch.Tensor, mode: str, **kw: Any) -> torch.Tensor:
     for b in blocks:
         if mode == "plain":
             x = b(x)
@@ -94,7 +97,7 @@ def inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return x, gout
 
 
-def reference(blocks: list[Block], x: torch.Tensor, gout: torch.Tensor,
+def reference(blocks: list[FallibleBlock], x: torch.Tensor, gout: torch.Tensor,
               dtype: torch.dtype | None, seed: int = 1234) -> list[torch.Tensor]:
     """dx and every dw of the stack without checkpointing."""
     torch.manual_seed(seed)
@@ -109,7 +112,7 @@ def assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         assert a.dtype == b.dtype and torch.equal(a, b), f"gradient {i} differs"
 
 
-def split_step(blocks: list[Block], x: torch.Tensor, gout: torch.Tensor, sid: Any, *,
+def split_step(blocks: list[FallibleBlock], x: torch.Tensor, gout: torch.Tensor, sid: Any, *,
                dtype: torch.dtype | None = None, prefire: bool = True, per_param: bool = False,
                seed: int = 1234, **ckpt_kw: Any) -> list[torch.Tensor]:
     """Forward under a collector, prefire, dx (retain), dw (last consumer), clear."""
@@ -373,7 +376,7 @@ def test_frame_reused_by_new_session_after_clear() -> None:
 # -- failure ----------------------------------------------------------------------------------
 
 
-def _collect_forward(blocks: list[Block], x: torch.Tensor) -> tuple[torch.Tensor, list]:
+def _collect_forward(blocks: list[FallibleBlock], x: torch.Tensor) -> tuple[torch.Tensor, list]:
     torch.manual_seed(1234)
     with ckptfx.recompute_handle_collector_ctx() as handles:
         out = run_stack(blocks, x, "ckptfx")
@@ -501,7 +504,7 @@ def test_uncleared_lazy_session_vanishes_with_its_graph() -> None:
     assert ckptfx.recompute_session_stats() == {}
 
 
-# -- lazy sessions and forwards inside a session (issue 7) ---------------------------------------
+# -- lazy sessions and forwards inside a session ------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
@@ -581,7 +584,7 @@ def test_without_session_split_replays_like_torch(dtype: torch.dtype | None) -> 
 
 def test_nested_checkpoints_work_natively_like_torch() -> None:
     torch.manual_seed(0)
-    inner, outer_lin = Block(), nn.Linear(D, D)
+    inner, outer_lin = FallibleBlock(), nn.Linear(D, D)
     calls = {"outer": 0}
     x, gout = inputs()
 
@@ -605,6 +608,84 @@ def test_nested_checkpoints_work_natively_like_torch() -> None:
         assert_equal(list(got), list(want))
         counts[name] = (calls["outer"], inner.runs)
     assert counts["ckptfx"] == counts["torch"]
+
+
+# -- the context managers as decorators, single use ------------------------------------------
+# They used to be ``contextlib.contextmanager`` generators: they stay usable as decorators
+# and stay single use (a second entry is an error that leaves nothing behind).
+
+
+def _counted_block(counter: list[int]
+                   ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    w = torch.randn(6, 6, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        counter[0] += 1
+        return F.gelu(x @ w) @ w
+
+    return block, w
+
+
+# Found in review of the session context managers as classes (was test_review_regressions_3.py).
+def test_session_context_works_as_a_decorator_once_per_call() -> None:
+    calls = [0]
+    block, w = _counted_block(calls)
+    x = torch.randn(3, 6, requires_grad=True)
+    expected = torch.autograd.grad(block(x).sum(), [x, w])
+    calls[0] = 0
+
+    @ckptfx.recompute_session_ctx("deco", retain_on_unpack=True)
+    def dx(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        assert tls.activation is not None and tls.activation.session.id == "deco"
+        return torch.autograd.grad(out.sum(), [x], retain_graph=True)
+
+    @ckptfx.recompute_session_ctx("deco", retain_on_unpack=False)
+    def dw(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(out.sum(), [w])
+
+    for _ in range(2):  # a decorated function opens a new context at each call
+        out = ckptfx.checkpoint(block, x)
+        try:
+            got = dx(out) + dw(out)
+        finally:
+            ckptfx.clear_recompute_session("deco")
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert tls.activation is None
+    assert calls[0] == 2 * 2  # per round: the forward and one replay for dx and dw
+
+
+# Found in review of the session context managers as classes (was test_review_regressions_3.py).
+def test_collector_works_as_a_decorator() -> None:
+    block, _ = _counted_block([0])
+    x = torch.randn(3, 6, requires_grad=True)
+
+    @ckptfx.recompute_handle_collector_ctx()
+    def forward() -> torch.Tensor:
+        return ckptfx.checkpoint(block, x)
+
+    with ckptfx.recompute_handle_collector_ctx() as outer:
+        forward()
+        forward()
+    assert outer == []  # the decorated forwards collected into their own collectors
+    assert not handles_mod.collecting()
+
+
+# Found in review of the session context managers as classes (was test_review_regressions_3.py).
+@pytest.mark.parametrize("make", [
+    lambda: ckptfx.recompute_session_ctx("once"),
+    lambda: ckptfx.recompute_handle_collector_ctx(),
+], ids=["recompute_session_ctx", "recompute_handle_collector_ctx"])
+def test_context_entered_twice_is_an_error_that_leaves_nothing(make: Callable[[], Any]
+                                                                ) -> None:
+    ctx = make()
+    with ctx:
+        pass
+    with pytest.raises(RuntimeError, match="single use"):
+        with ctx:
+            pass
+    assert tls.activation is None
+    assert not handles_mod.collecting()
+    assert "once" not in ckptfx.recompute_session_stats()
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -681,7 +762,7 @@ def test_two_sessions_on_one_frame_rejected_naming_both() -> None:
 
 def test_checkpoint_created_during_scheduled_replay_rejected() -> None:
     torch.manual_seed(0)
-    inner = Block()
+    inner = FallibleBlock()
 
     def outer(t: torch.Tensor) -> torch.Tensor:
         return ckptfx.checkpoint(inner, t.sin()).cos()

@@ -3,6 +3,7 @@
 Autograd may unpack saved tensors on a thread that never saw the caller's context (CUDA and
 NPU device threads do). Here dx and dw run in fresh ``threading.Thread``s (no context copied),
 and the session must still be found: two block runs, gradients bitwise equal to no checkpoint.
+One session context entered on two threads at once refuses the second entry.
 """
 
 from __future__ import annotations
@@ -12,40 +13,36 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
 import ckptfx
+from models import D, Block
 
 pytestmark = pytest.mark.usefixtures("no_sessions_left")
 
-D, H, B = 8, 16, 4
+B = 4  # the batch; D is models.Block's width
 AUTOCAST = [None, torch.bfloat16]
 
 
-class Block(nn.Module):
-    """A residual MLP with dropout; ``runs`` counts forward calls, per thread too."""
+class ThreadNotingBlock(Block):
+    """models.Block that also notes the thread of each run (``threads``), counting under a
+    lock: runs come from several threads."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(D, H), nn.Linear(H, D)
-        self.runs = 0
         self.threads: list[str] = []
         self._lock = threading.Lock()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def note_run(self) -> None:
         with self._lock:
             self.runs += 1
             self.threads.append(threading.current_thread().name)
-        return x + self.fc2(F.dropout(F.gelu(self.fc1(x)), 0.25, self.training))
 
 
-def make_blocks(n: int = 2) -> list[Block]:
+def make_blocks(n: int = 2) -> list[ThreadNotingBlock]:
     torch.manual_seed(0)
-    return [Block().train() for _ in range(n)]
+    return [ThreadNotingBlock().train() for _ in range(n)]
 
 
-def params_of(blocks: list[Block]) -> list[torch.Tensor]:
+def params_of(blocks: list[ThreadNotingBlock]) -> list[torch.Tensor]:
     return [p for b in blocks for p in b.parameters()]
 
 
@@ -54,7 +51,7 @@ def autocast_ctx(dtype: torch.dtype | None) -> Any:
             else torch.autocast("cpu", enabled=False))
 
 
-def run_stack(blocks: list[Block], x: torch.Tensor, ckpt: bool) -> torch.Tensor:
+def run_stack(blocks: list[ThreadNotingBlock], x: torch.Tensor, ckpt: bool) -> torch.Tensor:
     for b in blocks:
         x = ckptfx.checkpoint(b, x) if ckpt else b(x)
     return x
@@ -65,7 +62,7 @@ def inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(B, D, generator=g).requires_grad_(), torch.randn(B, D, generator=g)
 
 
-def reference(blocks: list[Block], x: torch.Tensor, g: torch.Tensor,
+def reference(blocks: list[ThreadNotingBlock], x: torch.Tensor, g: torch.Tensor,
               dtype: torch.dtype | None = None, seed: int = 1234) -> list[torch.Tensor]:
     torch.manual_seed(seed)
     with autocast_ctx(dtype):
@@ -76,7 +73,7 @@ def reference(blocks: list[Block], x: torch.Tensor, g: torch.Tensor,
     return grads
 
 
-def forward(blocks: list[Block], x: torch.Tensor, dtype: torch.dtype | None = None,
+def forward(blocks: list[ThreadNotingBlock], x: torch.Tensor, dtype: torch.dtype | None = None,
             seed: int = 1234) -> tuple[torch.Tensor, list[ckptfx.RecomputeHandle]]:
     torch.manual_seed(seed)
     with ckptfx.recompute_handle_collector_ctx() as handles:
@@ -281,3 +278,33 @@ def test_forward_on_a_thread_while_another_thread_holds_a_session() -> None:
     assert [b.runs for b in blocks] == [4, 4]
     assert_equal(got0, want0)
     assert_equal(got1, want1)
+
+
+# Found in review of the session context managers as classes (was test_review_regressions_3.py).
+def test_session_context_shared_by_two_threads_refuses_the_second() -> None:
+    ctx = ckptfx.recompute_session_ctx("shared")
+    errors: list[BaseException] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with ctx:
+            inside.set()
+            release.wait(10)
+
+    def second() -> None:
+        inside.wait(10)
+        try:
+            with ctx:
+                pass
+        except RuntimeError as err:
+            errors.append(err)
+        finally:
+            release.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(errors) == 1 and "single use" in str(errors[0])
+    assert "shared" not in ckptfx.recompute_session_stats()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptfx
-from ckptfx.frame import Frame
+from ckptfx.kernel.frame import Frame
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind", "no_sessions_left")
 

@@ -21,29 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import ckptfx
-import ckptfx._weight_calls as weight_calls
+import ckptfx.split.weight_calls as weight_calls
 
 from conftest import assert_bitwise, maybe_autocast
+from models import D, H, Block
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
-D, H = 8, 16
 AUTOCAST = [False, True]
-
-
-class Block(nn.Module):
-    """Pre-norm residual MLP with dropout; ``runs`` counts forward calls (forward + replays)."""
-
-    def __init__(self, d: int = D, h: int = H, p: float = 0.25) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
-        self.p = p
-        self.runs = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
-        return x + self.fc2(F.dropout(F.gelu(self.fc1(self.ln(x))), self.p, True))
 
 
 class Stack(nn.Module):
@@ -51,7 +36,7 @@ class Stack(nn.Module):
 
     def __init__(self, n: int = 3, variant: str = "ckptfx") -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.blocks = nn.ModuleList(Block(norm=True) for _ in range(n))
         self.variant = variant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +84,7 @@ def inputs(shape: tuple[int, ...] = (2, 5, D)) -> tuple[torch.Tensor, torch.Tens
 
 @pytest.fixture(params=["per_group", "whole"])
 def weight_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both weight passes (``ckptfx._weight_calls``): one call per group, or one plain weight
+    """Both weight passes (``ckptfx.split.weight_calls``): one call per group, or one plain weight
     backward from the outputs (what the rule picks for these small blocks)."""
     monkeypatch.setattr(weight_calls, "_force", request.param)
     return request.param
@@ -253,7 +238,7 @@ def test_unused_input_gets_zeros_and_existing_grad_accumulates() -> None:
 def test_shared_weight_used_by_two_blocks(weight_pass: str) -> None:
     """One parameter group with two intermediates: pinned captured gradients keep it exact."""
     torch.manual_seed(0)
-    blk = Block()
+    blk = Block(norm=True)
     x, g = inputs()
 
     def fun(x: torch.Tensor, ck: bool = True) -> torch.Tensor:
@@ -329,7 +314,7 @@ def test_dx_plus_dw_flops_equal_one_fused_backward(weight_pass: str) -> None:
 def test_dx_drops_replayed_tensors_only_dx_needed(per_group: None) -> None:
     """After dx the session keeps matmul inputs, not the GELU input or the dropout mask."""
     torch.manual_seed(0)
-    blk = Block(p=0.5)
+    blk = Block(p=0.5, norm=True)
     x, g = inputs()
     torch.manual_seed(7)
     # What the block computes, for identifying the replayed tensors by value.
@@ -344,7 +329,7 @@ def test_dx_drops_replayed_tensors_only_dx_needed(per_group: None) -> None:
     before = ckptfx.recompute_session_stats()[sid]
 
     def held() -> list[torch.Tensor]:
-        (frame,) = [f for f in ckptfx.session._registry[sid].frames]
+        (frame,) = [f for f in ckptfx.kernel.session._registry[sid].frames]
         return [t for t in frame.session_replay if t is not None]
 
     def holds(value: torch.Tensor) -> bool:
@@ -503,7 +488,7 @@ def test_an_abandoned_split_frees_its_key_and_leaves_the_next_split_alone() -> N
 
 def test_dw_that_raises_still_releases_everything() -> None:
     torch.manual_seed(0)
-    blk, head = Block(), nn.Linear(D, D)
+    blk, head = Block(norm=True), nn.Linear(D, D)
     x, g = inputs()
     out, dx_fn, dw_fn = ckptfx.vjp_split(lambda x: head(ckptfx.checkpoint(blk, x)), x,
                                          params=[*blk.parameters(), *head.parameters()])
@@ -528,7 +513,7 @@ def test_dw_that_raises_still_releases_everything() -> None:
 def test_failed_prefire_can_be_retried() -> None:
     fail = [True]
     torch.manual_seed(0)
-    blk = Block()
+    blk = Block(norm=True)
 
     def flaky(x: torch.Tensor) -> torch.Tensor:
         if blk.runs == 1 and fail[0]:
@@ -613,7 +598,7 @@ def test_grad_split_keeps_only_what_dw_reads_between_dx_and_dw(
         monkeypatch: pytest.MonkeyPatch, per_group: None) -> None:
     """grad_split trims the session after dx as vjp_split does: fewer tensors and bytes held
     than with every replayed tensor retained, the same gradients, nothing held after dw."""
-    import ckptfx.split as cx_split
+    import ckptfx.split.api as cx_split
 
     stack = make_stack()
     params = dict(stack.named_parameters())
@@ -621,7 +606,7 @@ def test_grad_split_keeps_only_what_dw_reads_between_dx_and_dw(
     dx_fn, dw_fn = ckptfx.grad_split(_loss_fn(stack), x_argnums=1, has_aux=True)
     held, grads = {}, {}
     for trim in (False, True):
-        monkeypatch.setattr(cx_split, "_trim_enabled", trim)
+        monkeypatch.setattr(cx_split, "trim_enabled", trim)
         torch.manual_seed(10)
         (_, _), dx = dx_fn(params, x, session=("trim", trim), scale=2.0)
         stats = ckptfx.recompute_session_stats()[("trim", trim)]

@@ -1,4 +1,4 @@
-"""How the split's weight pass calls the engine (``ckptfx._weight_calls``) and when dx frees
+"""How the split's weight pass calls the engine (``ckptfx.split.weight_calls``) and when dx frees
 the replayed tensors only it reads (``ckptfx.split`` Rule 4).
 
 Parity is bitwise against a fused backward without any checkpoint; work is counted (block
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ckptfx
-import ckptfx._weight_calls as weight_calls
+import ckptfx.split.weight_calls as weight_calls
 
 from conftest import assert_bitwise
 

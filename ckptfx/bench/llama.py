@@ -20,23 +20,31 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..policies import checkpoint_name
+from ckptfx.policies.names import checkpoint_name
 
-__all__ = ["DecoderLayer", "LlamaConfig", "LlamaModel", "RMSNorm"]
+__all__ = ["DecoderLayer", "LayerCall", "LlamaConfig", "LlamaModel", "ModelShape", "RMSNorm",
+           "plain_call", "rotary_tables"]
 
 # A layer call as a variant wraps it: (layer, h, cos, sin) -> h.
 LayerCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Shape of the model; ``ffn`` defaults to Llama's 8/3 * dim rounded up to 32."""
+class ModelShape:
+    """The decoder's size, declared once: ``LlamaConfig`` adds the layer's constants, and
+    ``ckptfx bench``'s ``BenchConfig`` (measure.py) the measurement plan."""
 
     dim: int = 256
     layers: int = 4
     heads: int = 4
     kv_heads: int = 2
     vocab: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(ModelShape):
+    """Shape of the model; ``ffn`` defaults to Llama's 8/3 * dim rounded up to 32."""
+
     ffn: int = 0
     rope_theta: float = 10000.0
     eps: float = 1e-5
@@ -51,6 +59,7 @@ class LlamaConfig:
 
     @property
     def hidden(self) -> int:
+        """The MLP's width: ``ffn``, or Llama's 8/3 * dim rounded up to 32."""
         return self.ffn or -(-(8 * self.dim // 3) // 32) * 32
 
 

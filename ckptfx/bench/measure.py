@@ -12,8 +12,8 @@ Two kinds of run, each in a fresh process started by ``sweep.py``:
   each, the order reversed every other round (load drifts on a shared machine); the report
   is the median per variant. On CPU with one thread the clock is the thread's CPU time
   (``time.thread_time``: the work of the step, which other processes' load cannot stretch),
-  else wall time after a device synchronize; the wall times are reported too. After each timed step a line ``progress NAME`` goes to stdout
-  so the parent can move its progress bar.
+  else wall time after a device synchronize; the wall times are reported too. After each
+  timed step a line ``progress NAME`` goes to stdout so the parent can move its progress bar.
 
 The result is one JSON line, the last line of stdout.
 """
@@ -30,18 +30,16 @@ from typing import Any, Callable
 
 import torch
 
+from ckptfx.bench.llama import LlamaConfig, LlamaModel, ModelShape
+
 __all__ = ["BenchConfig", "measure_memory", "measure_time"]
 
 
 @dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    """The model shape and the measurement plan of one bench run."""
+class BenchConfig(ModelShape):
+    """The model shape (``ModelShape``'s fields) and the measurement plan of one bench run.
+    Flat, so ``results.json``'s ``config`` and a child's argument are one JSON object."""
 
-    dim: int = 256
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    vocab: int = 512
     batch: int = 8
     seq: int = 256
     steps: int = 2        # measured steps per memory subprocess
@@ -51,17 +49,20 @@ class BenchConfig:
     device: str = "cpu"
 
     def tokens_per_step(self) -> int:
+        """Tokens one training step reads: batch x seq."""
         return self.batch * self.seq
 
+    def model_config(self) -> LlamaConfig:
+        """The decoder of this run: its shape, Llama's constants."""
+        shape = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape)}
+        return LlamaConfig(**shape)
 
-def _setup(cfg: BenchConfig) -> tuple[Any, torch.Tensor, torch.device]:
-    from .llama import LlamaConfig, LlamaModel
 
+def _setup(cfg: BenchConfig) -> tuple[LlamaModel, torch.Tensor, torch.device]:
     device = torch.device(cfg.device)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
-    model = LlamaModel(LlamaConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads,
-                                   kv_heads=cfg.kv_heads, vocab=cfg.vocab)).to(device)
+    model = LlamaModel(cfg.model_config()).to(device)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g).to(device)
     return model, tokens, device
@@ -80,8 +81,8 @@ def _sync(device: torch.device) -> None:
 
 def measure_memory(cfg: BenchConfig, variant: str) -> dict[str, Any]:
     """Peak and held bytes of ``variant``'s steps (lists, one entry per measured step)."""
-    from .memory import Meter, small_mmap_threshold
-    from .variants import get
+    from ckptfx.bench.memory import Meter, small_mmap_threshold
+    from ckptfx.bench.variants import get
 
     model, tokens, device = _setup(cfg)
     if device.type == "cpu" and not small_mmap_threshold():
@@ -118,7 +119,7 @@ def _grads(model: Any, tokens: torch.Tensor) -> list[torch.Tensor]:
 def measure_time(cfg: BenchConfig, variants: list[str],
                  report: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
     """Median step seconds and gradient parity per variant, all from this one process."""
-    from .variants import get
+    from ckptfx.bench.variants import get
 
     model, tokens, device = _setup(cfg)
     calls = {name: get(name).make() for name in variants}

@@ -6,19 +6,25 @@ On CPU (Linux) the peak is ``VmHWM`` from ``/proc/self/status``, reset by writin
 where the resident size never shrinks, so the reading says little unless the process started
 with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors then go back to the OS at once); the
 allocator reads the variable at start, so the benchmarks run each measurement in a fresh
-subprocess started with it (``child_env``). On CUDA/NPU/XPU the peak is the device
-allocator's ``max_memory_allocated`` (``torch.accelerator`` when torch has it).
+subprocess started with it (``child_env``), or re-run themselves with it
+(``reexec_with_small_mmap_threshold``, the scripts in ``benchmarks/``). On CUDA/NPU/XPU the
+peak is the device allocator's ``max_memory_allocated`` (``torch.accelerator`` when torch
+has it).
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
+import time
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["MMAP_ENV", "MMAP_VALUE", "child_env", "peak_above_start", "reset_hwm",
-           "small_mmap_threshold", "vm_hwm", "vm_rss", "Meter"]
+__all__ = ["MMAP_ENV", "MMAP_VALUE", "Meter", "child_env", "measured_steps",
+           "peak_above_start", "reexec_with_small_mmap_threshold", "reset_hwm",
+           "small_mmap_threshold", "vm_hwm", "vm_rss"]
 
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 MMAP_VALUE = "65536"
@@ -35,6 +41,14 @@ def child_env(threads: int) -> dict[str, str]:
     env[MMAP_ENV] = MMAP_VALUE
     env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def reexec_with_small_mmap_threshold() -> None:
+    """Re-run this script with the small mmap threshold set (returns only when it already
+    is): glibc reads it at start, so setting it later changes nothing."""
+    if not small_mmap_threshold():
+        os.environ[MMAP_ENV] = MMAP_VALUE
+        os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
 def _status(field: str) -> int:
@@ -61,12 +75,29 @@ def reset_hwm() -> None:
         f.write("5")
 
 
-def peak_above_start(fn: Callable[[], object]) -> int:
-    """Bytes of resident memory ``fn()`` needed above what was resident when it started."""
-    reset_hwm()
-    start = vm_hwm()
+def peak_above_start(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """Bytes of memory ``fn()`` needed above what was in use when it started, on ``device``
+    (CPU: the resident set; see ``Meter``)."""
+    meter = Meter(torch.device(device))
+    meter.start()
     fn()
-    return vm_hwm() - start
+    return meter.peak()
+
+
+def measured_steps(step: Callable[[], object], steps: int) -> tuple[list[int], list[float]]:
+    """``steps`` calls of ``step`` on the CPU, each from a collected heap: the peak resident
+    bytes of each above its start, and its seconds (wall clock: the peak reading's own
+    system calls stay outside)."""
+    peaks, times = [], []
+    meter = Meter(torch.device("cpu"))
+    for _ in range(steps):
+        gc.collect()
+        meter.start()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+        peaks.append(meter.peak())
+    return peaks, times
 
 
 class Meter:

@@ -15,10 +15,11 @@ remat   forward of a transformer block (d=64 / d=256): ``remat(nothing_saveable)
         saving the dots. Floor: torch's checkpoint forward under an empty
         TorchDispatchMode, the least any recorder of ATen ops costs (Python per op).
         Targets: nothing <= 1.1x, dots <= 1.0x. nothing_saveable's calls after the first
-        run unrecorded (ckptfx.rerun); ``always_record=True`` is the recorded forward, for
-        comparison. Then a whole step (forward + backward) of the same variants: an
-        unrecorded call's replay re-runs the block under a dispatch mode (the explicit
-        generator watch), so the recording's cost moves to the backward rather than going.
+        run unrecorded (ckptfx.recording.unrecorded); ``always_record=True`` is the
+        recorded forward, for comparison. Then a whole step (forward + backward) of the
+        same variants: an unrecorded call's replay re-runs the block under a dispatch mode
+        (the explicit generator watch), so the recording's cost moves to the backward
+        rather than going.
 split   a split step over 6 small MLP blocks (d=64, hidden 256, batch 8): ckptfx sessions
         (prefire + dx + one dw call per parameter) vs no checkpointing (target <= 1.3x),
         and its floor: every saved tensor through a Python saved-tensor hook plus one more
@@ -46,9 +47,9 @@ vjp256  dx + dw of ``vjp_split`` vs one fused backward over 6 checkpointed trans
         keeps freed memory (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``, as a
         caching allocator on an accelerator keeps it); the verdict judges both.
 
-At the end a verdict: one line per target of issue 17 whose part ran, met or not, with the
-floor measured for it in the same run (``verdict``; a floor above its target says the
-target is below what that step costs before any of ckptfx's own work).
+At the end a verdict: one line per target whose part ran, named by what it measures, met or
+not, with the floor measured for it in the same run (``figures.verdict``; a floor above its
+target says the target is below what that step costs before any of ckptfx's own work).
 
 ``main()`` returns every figure as a flat dict (for ``ckptfx bench``).
 """
@@ -56,41 +57,42 @@ target is below what that step costs before any of ckptfx's own work).
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
+from ckptfx.bench.blocks import Block, MLPBlock
+from ckptfx.bench.figures import (TARGETS, fmt, medians, ratio, rounds_of, target_note,
+                                  verdict)
+from ckptfx.bench.overhead_split import (KEEP_FREED_MEMORY, bench_split, bench_vjp256,
+                                         bench_vjp256_keeping_freed_memory, split_variants)
+from ckptfx.bench.variants import sac_policy
 
-from ._overhead_common import (TARGETS, Block, MLPBlock, fmt, ratio, rounds_of, target_note,
-                               verdict)
-from .overhead_split import (KEEP_FREED_MEMORY, bench_split, bench_vjp256,
-                             bench_vjp256_keeping_freed_memory, split_variants)
-
-__all__ = ["KEEP_FREED_MEMORY", "PARTS", "TARGETS", "Block", "MLPBlock", "bench_remat",
-           "bench_split", "bench_vjp256", "bench_vjp256_keeping_freed_memory", "main", "ratio",
-           "rounds_of", "run", "split_variants", "verdict"]
+__all__ = ["KEEP_FREED_MEMORY", "MATMULS", "PARTS", "TARGETS", "Block", "MLPBlock",
+           "bench_remat", "bench_split", "bench_vjp256", "bench_vjp256_keeping_freed_memory",
+           "main", "ratio", "rounds_of", "run", "split_variants", "verdict"]
 
 aten = torch.ops.aten
-DOTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
+# What torch SAC saves against remat(dots_saveable): the transformer block's matrix products.
+MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
+_sac_dots = sac_policy(MATMULS)
 
 
 class _Empty(TorchDispatchMode):
+    """A dispatch mode that only calls the op: the least any recorder of ATen ops costs."""
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         return func(*args, **(kwargs or {}))
 
 
-def _sac_dots(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in DOTS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
+    """The remat part at width ``d`` (docstring above): ``rounds`` rounds of ``inner`` calls;
+    prints its figures and returns them, keyed ``remat{d}_...``."""
     b, t = (2, 32) if d <= 64 else (8, 128)
     torch.manual_seed(0)
     block = Block(d)
@@ -115,16 +117,17 @@ def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
         "remat dots": lambda: dots(x),
     }
     times = rounds_of(fns, rounds, inner)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    r_nothing = ratio(times, "remat nothing", "torch")
-    r_dots = ratio(times, "remat dots", "torch SAC dots")
-    r_floor = ratio(times, "floor", "torch")
-    r_recorded = ratio(times, "remat nothing recorded", "torch")
+    r_nothing, r_dots, r_floor, r_recorded = (ratio(times, a, b) for a, b in (
+        ("remat nothing", "torch"), ("remat dots", "torch SAC dots"), ("floor", "torch"),
+        ("remat nothing recorded", "torch")))
+    med = medians(times)
     print(f"remat forward, transformer block d={d} batch={b} seq={t} ({rounds}x{inner} calls): "
           + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in med.items()))
-    print(f"  nothing_saveable / torch checkpoint: {fmt(r_nothing)}" + target_note(f"remat{d}_nothing_vs_torch"))
+    print(f"  nothing_saveable / torch checkpoint: {fmt(r_nothing)}"
+          + target_note(f"remat{d}_nothing_vs_torch"))
     print(f"  nothing_saveable, always_record=True / torch checkpoint: {fmt(r_recorded)}")
-    print(f"  dots_saveable / torch SAC:           {fmt(r_dots)}" + target_note(f"remat{d}_dots_vs_sac"))
+    print(f"  dots_saveable / torch SAC:           {fmt(r_dots)}"
+          + target_note(f"remat{d}_dots_vs_sac"))
     print(f"  floor: torch checkpoint under an empty dispatch mode / torch checkpoint: "
           f"{fmt(r_floor)}")
     steps = rounds_of({k: _fwd_bwd(fns[k]) for k in
@@ -141,6 +144,7 @@ def bench_remat(d: int, rounds: int, inner: int) -> dict[str, float]:
 
 
 def _fwd_bwd(fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn``'s forward, then a backward of its sum: a whole step."""
     def step() -> None:
         fn().sum().backward()
     return step
@@ -175,7 +179,7 @@ def run(only: str | None = None, quick: bool = False, rounds: int | None = None
         if only in (None, "vjp256"):
             figures.update(bench_vjp256(rounds or (3 if q else 15)))
             figures.update(bench_vjp256_keeping_freed_memory(rounds or (3 if q else 15)))
-        print("verdict on issue 17's targets (this run):")
+        print("verdict on the per-call overhead targets (this run):")
         for line in verdict(figures):
             print("  " + line)
         return figures

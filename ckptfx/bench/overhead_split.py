@@ -1,6 +1,11 @@
 """The split parts of the overhead benchmark (``ckptfx.bench.overhead``, whose docstring says
 what each measures): ``split``, a split step over small MLP blocks, and ``vjp256``, dx + dw
-over transformer blocks at d=256."""
+over transformer blocks at d=256.
+
+``split_steps`` is the split step itself, one per way of running it (no checkpointing,
+torch's checkpoint, ckptfx sessions, ``vjp_split``, a fused backward): ``split_variants``
+adds the floors to it for this bench, and ``benchmarks/bench_sessions.py`` times it at other
+sizes."""
 
 from __future__ import annotations
 
@@ -18,10 +23,10 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import ckptfx
-import ckptfx._weight_calls as weight_calls
-import ckptfx.split as cx_split
-
-from ._overhead_common import Block, MLPBlock, fmt, ratio, rounds_of, target_note
+import ckptfx.split.api as cx_split
+import ckptfx.split.weight_calls as weight_calls
+from ckptfx.bench.blocks import Block, MLPBlock, chain
+from ckptfx.bench.figures import fmt, medians, ratio, rounds_of, target_note
 
 try:
     import resource  # page-fault counts (not on Windows)
@@ -29,7 +34,10 @@ except ImportError:
     resource = None  # type: ignore[assignment]
 
 __all__ = ["KEEP_FREED_MEMORY", "bench_split", "bench_vjp256",
-           "bench_vjp256_keeping_freed_memory", "split_backward", "split_variants"]
+           "bench_vjp256_keeping_freed_memory", "split_backward", "split_inputs", "split_steps",
+           "split_variants"]
+
+Step = Callable[[], None]
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -37,7 +45,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 class _LastPack(Exception):
-    pass
+    """Raised in a block's last pack: a replay's early stop, as the floors run it."""
 
 
 def _saves_of(block: nn.Module, x: torch.Tensor) -> int:
@@ -88,37 +96,70 @@ def split_backward(out: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Te
         torch.autograd.grad(out, params[-1], g)
 
 
-def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int = 6
-                   ) -> dict[str, Callable[[], None]]:
-    """The split step's variants over ``nblocks`` small MLP blocks, each a step to call (what
-    ``bench_split`` times and ``benchmarks/bench_instructions.py`` counts)."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+def _switched(module: Any, switch: str, value: object, step: Step) -> Step:
+    """``step`` run with ckptfx's internal ``module.switch`` set to ``value`` (what the choice
+    it makes saves is measured against it), put back after each call."""
+    def run() -> None:
+        before = getattr(module, switch)
+        setattr(module, switch, value)
+        try:
+            step()
+        finally:
+            setattr(module, switch, before)
+    return run
 
+
+def split_inputs(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int = 6
+                 ) -> tuple[list[MLPBlock], torch.Tensor, torch.Tensor]:
+    """The split step's ``nblocks`` MLP blocks, input ``x`` (requiring grad) and output
+    gradient ``g``, seeded (0)."""
     torch.manual_seed(0)
     blocks = [MLPBlock(d, hidden) for _ in range(nblocks)]
     x = torch.randn(batch, d, requires_grad=True)
     g = torch.randn(batch, d)
+    return blocks, x, g
+
+
+def _in_session(stack: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                backward: Callable[[torch.Tensor], object]) -> None:
+    """``stack(x)`` with its checkpoints collected and prefired into the session ``"mb"``,
+    then ``backward(out)``; the session cleared whatever happens."""
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        h = stack(x)
+    try:
+        for hd in handles:
+            ckptfx.recompute_handle(hd, "mb")
+        backward(h)
+    finally:
+        ckptfx.clear_recompute_session("mb")
+
+
+def split_steps(blocks: Sequence[nn.Module], x: torch.Tensor, g: torch.Tensor
+                ) -> dict[str, Step]:
+    """A split step (forward, dx, then one dw call per parameter) over ``blocks``, one per way
+    of running it: ``none`` (no checkpointing), ``torch checkpoint``, ``ckptfx sessions``
+    (collector, prefire, dx under ``retain_on_unpack=True``), ``ckptfx sessions, no
+    prefire`` (dx replays), ``vjp_split`` (prefire, dx, its own weight pass), and ``fused``:
+    no checkpointing, one backward for x and every parameter (not a split step: the floor
+    any split backward is measured against)."""
     params = [p for b in blocks for p in b.parameters()]
-
-    def plain(h: torch.Tensor) -> torch.Tensor:
-        for b in blocks:
-            h = b(h)
-        return h
-
-    def stack(h: torch.Tensor) -> torch.Tensor:
-        for b in blocks:
-            h = ckptfx.checkpoint(b, h)
-        return h
+    plain, stack = chain(blocks), chain(blocks, ckptfx.checkpoint)
 
     def none() -> None:
         split_backward(plain(x), x, params, g, None)
 
+    def torch_checkpoint() -> None:
+        h = x
+        for b in blocks:
+            h = checkpoint(b, h, use_reentrant=False)
+        split_backward(h, x, params, g, None)
+
     def sessions() -> None:
-        with ckptfx.recompute_handle_collector_ctx() as handles:
-            h = stack(x)
+        _in_session(stack, x, lambda h: split_backward(h, x, params, g, "mb"))
+
+    def sessions_without_prefire() -> None:
+        h = stack(x)
         try:
-            for hd in handles:
-                ckptfx.recompute_handle(hd, "mb")
             split_backward(h, x, params, g, "mb")
         finally:
             ckptfx.clear_recompute_session("mb")
@@ -128,19 +169,32 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
         dx_fn.prefire()
         dx_fn(g)
         dw_fn()
-        for p in params:
+        for p in params:  # dw_fn accumulates into .grad; each step starts from None
             p.grad = None
-
-    def vjp_split_per_group() -> None:
-        # the per-group weight pass, which the rule leaves for larger blocks (_weight_calls)
-        weight_calls._force = "per_group"
-        try:
-            vjp_split()
-        finally:
-            weight_calls._force = None
 
     def fused() -> None:
         torch.autograd.grad(plain(x), [x, *params], g)
+
+    return {"none": none, "torch checkpoint": torch_checkpoint, "ckptfx sessions": sessions,
+            "ckptfx sessions, no prefire": sessions_without_prefire, "vjp_split": vjp_split,
+            "fused": fused}
+
+
+def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int = 6
+                   ) -> dict[str, Step]:
+    """The split step's variants over ``nblocks`` small MLP blocks, each a step to call (what
+    ``bench_split`` times and ``benchmarks/bench_instructions.py`` counts): ``split_steps``'
+    and the floors."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    blocks, x, g = split_inputs(d, hidden, batch, nblocks)
+    steps = split_steps(blocks, x, g)
+    params = [p for b in blocks for p in b.parameters()]
+    plain, stack = chain(blocks), chain(blocks, ckptfx.checkpoint)
+    vjp_split, fused = steps["vjp_split"], steps["fused"]
+
+    # the per-group weight pass, which the rule leaves for larger blocks (weight_calls)
+    vjp_split_per_group = _switched(weight_calls, "_force", "per_group", vjp_split)
 
     def torch_split_plain() -> None:
         xr = x.detach().requires_grad_()
@@ -178,16 +232,12 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
         plain(x)  # the compute of one replay, which any checkpointed step adds
         fused()
 
+    def fused_in_session(h: torch.Tensor) -> None:
+        with ckptfx.recompute_session_ctx("mb"):
+            torch.autograd.grad(h, [x, *params], g)
+
     def ckptfx_fused() -> None:
-        with ckptfx.recompute_handle_collector_ctx() as handles:
-            h = stack(x)
-        try:
-            for hd in handles:
-                ckptfx.recompute_handle(hd, "mb")
-            with ckptfx.recompute_session_ctx("mb"):
-                torch.autograd.grad(h, [x, *params], g)
-        finally:
-            ckptfx.clear_recompute_session("mb")
+        _in_session(stack, x, fused_in_session)
 
     def torch_fused() -> None:
         # torch's checkpoint, one fused backward (it replays each block once per backward
@@ -204,8 +254,8 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
     def ckptfx_plain_fused() -> None:
         torch.autograd.grad(stack(x), [x, *params], g)
 
-    return {"none": none, "ckptfx sessions": sessions, "hook floor": hook_floor,
-            "vjp_split": vjp_split,
+    return {"none": steps["none"], "ckptfx sessions": steps["ckptfx sessions"],
+            "hook floor": hook_floor, "vjp_split": vjp_split,
             "vjp_split per group": vjp_split_per_group, "fused": fused,
             "floor": torch_split_plain, "split floor": split_floor,
             "fused + forward": fused_and_forward,
@@ -213,42 +263,56 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
             "hook floor fused": hook_floor_fused, "ckptfx checkpoint fused": ckptfx_plain_fused}
 
 
+# The split part's figures: (the variant, the one it is timed against), in the order returned.
+_SPLIT_RATIOS = {
+    "split_sessions_vs_none": ("ckptfx sessions", "none"),
+    "split_hook_floor_vs_none": ("hook floor", "none"),
+    "split_sessions_vs_hook_floor": ("ckptfx sessions", "hook floor"),
+    "split_vjp_vs_fused": ("vjp_split", "fused"), "split_torch_plain_vs_fused": ("floor", "fused"),
+    "split_vjp_floor_vs_fused": ("split floor", "fused"),
+    "split_vjp_vs_vjp_floor": ("vjp_split", "split floor"),
+    "split_fused_plus_forward_vs_fused": ("fused + forward", "fused"),
+    "split_ckptfx_fused_vs_fused": ("ckptfx fused", "fused"),
+    "split_vjp_vs_ckptfx_fused": ("vjp_split", "ckptfx fused"),
+    "split_vjp_per_group_vs_fused": ("vjp_split per group", "fused"),
+    "split_vjp_vs_per_group": ("vjp_split", "vjp_split per group"),
+}
+
+
 def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: int = 8,
                 nblocks: int = 6) -> dict[str, float]:
+    """The split part: ``rounds`` rounds of ``inner`` steps of each ``split_variants``
+    variant; prints its figures and returns them, keyed ``split_...``."""
     fns = split_variants(d, hidden, batch, nblocks)
     times = rounds_of(fns, rounds, inner)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    r_sess = ratio(times, "ckptfx sessions", "none")
-    r_hooks = ratio(times, "hook floor", "none")
-    r_sess_floor = ratio(times, "ckptfx sessions", "hook floor")
-    r_vjp = ratio(times, "vjp_split", "fused")
-    r_floor = ratio(times, "floor", "fused")
-    r_split_floor = ratio(times, "split floor", "fused")
-    r_vjp_split_floor = ratio(times, "vjp_split", "split floor")
-    r_recompute = ratio(times, "fused + forward", "fused")
-    r_ck = ratio(times, "ckptfx fused", "fused")
-    r_vjp_ck = ratio(times, "vjp_split", "ckptfx fused")
-    r_pg = ratio(times, "vjp_split per group", "fused")
-    r_whole = ratio(times, "vjp_split", "vjp_split per group")
+    med = medians(times)
+    r = {key: ratio(times, a, b) for key, (a, b) in _SPLIT_RATIOS.items()}
     print(f"split step, {nblocks} MLP blocks d={d} hidden={hidden} batch={batch} "
           f"({rounds}x{inner} steps): " + ", ".join(f"{k} {v * 1e3:.3f} ms"
                                                    for k, v in med.items()))
     dw_calls = 4 * nblocks  # one per parameter: fc1's and fc2's weight and bias
-    print(f"  ckptfx sessions (prefire + dx + {dw_calls} dw calls) / none: {fmt(r_sess)}"
-          + target_note("split_sessions_vs_none"))
+    print(f"  ckptfx sessions (prefire + dx + {dw_calls} dw calls) / none: "
+          f"{fmt(r['split_sessions_vs_none'])}" + target_note("split_sessions_vs_none"))
     print(f"  floor: saved-tensor hooks + one more forward to each block's last pack / none: "
-          f"{fmt(r_hooks)}; ckptfx sessions / that floor: {fmt(r_sess_floor)}")
-    print(f"  vjp_split step / fused step:          {fmt(r_vjp)}" + target_note("split_vjp_vs_fused"))
-    print(f"  floor: torch's split without checkpointing / fused: {fmt(r_floor)}")
+          f"{fmt(r['split_hook_floor_vs_none'])}; ckptfx sessions / that floor: "
+          f"{fmt(r['split_sessions_vs_hook_floor'])}")
+    print(f"  vjp_split step / fused step:          {fmt(r['split_vjp_vs_fused'])}"
+          + target_note("split_vjp_vs_fused"))
+    print(f"  floor: torch's split without checkpointing / fused: "
+          f"{fmt(r['split_torch_plain_vs_fused'])}")
     print(f"  floor: saved-tensor hooks + one more forward to each block's last pack + "
           f"vjp_split's two engine calls (dx, then dw from the outputs) / fused: "
-          f"{fmt(r_split_floor)}; vjp_split / that floor: {fmt(r_vjp_split_floor)}")
+          f"{fmt(r['split_vjp_floor_vs_fused'])}; vjp_split / that floor: "
+          f"{fmt(r['split_vjp_vs_vjp_floor'])}")
     print(f"  floor: fused step + one more forward (a replay's compute) / fused: "
-          f"{fmt(r_recompute)}")
-    print(f"  ckptfx checkpoint, prefire + one fused backward / fused: {fmt(r_ck)}")
-    print(f"  vjp_split step / that checkpointed fused step: {fmt(r_vjp_ck)}")
-    print(f"  vjp_split with the per-group weight pass / fused: {fmt(r_pg)}; the rule's "
-          f"pass / per-group: {fmt(r_whole)}")
+          f"{fmt(r['split_fused_plus_forward_vs_fused'])}")
+    print(f"  ckptfx checkpoint, prefire + one fused backward / fused: "
+          f"{fmt(r['split_ckptfx_fused_vs_fused'])}")
+    print(f"  vjp_split step / that checkpointed fused step: "
+          f"{fmt(r['split_vjp_vs_ckptfx_fused'])}")
+    print(f"  vjp_split with the per-group weight pass / fused: "
+          f"{fmt(r['split_vjp_per_group_vs_fused'])}; the rule's pass / per-group: "
+          f"{fmt(r['split_vjp_vs_per_group'])}")
     # What a checkpoint's own machinery costs per block, over the hook floor, in a fused
     # step (forward + one backward): ckptfx's against torch's, the same blocks and run.
     floor_fused = med["hook floor fused"]
@@ -260,28 +324,19 @@ def bench_split(rounds: int, inner: int, d: int = 64, hidden: int = 256, batch: 
           f"{per_block['torch checkpoint fused'] * 1e6:.0f} us (ckptfx / torch "
           f"{r_machinery:.2f}); ckptfx's checkpoint / torch's, whole step: "
           f"{fmt(ratio(times, 'ckptfx checkpoint fused', 'torch checkpoint fused'))}")
-    return {"split_sessions_vs_none": r_sess[0], "split_hook_floor_vs_none": r_hooks[0],
-            "split_sessions_vs_hook_floor": r_sess_floor[0], "split_vjp_vs_fused": r_vjp[0],
-            "split_torch_plain_vs_fused": r_floor[0],
-            "split_vjp_floor_vs_fused": r_split_floor[0],
-            "split_vjp_vs_vjp_floor": r_vjp_split_floor[0],
-            "split_fused_plus_forward_vs_fused": r_recompute[0],
-            "split_ckptfx_fused_vs_fused": r_ck[0], "split_vjp_vs_ckptfx_fused": r_vjp_ck[0],
-            "split_vjp_per_group_vs_fused": r_pg[0], "split_vjp_vs_per_group": r_whole[0],
+    return {**{key: figure[0] for key, figure in r.items()},
             "split_machinery_ckptfx_vs_torch": r_machinery}
 
 
 def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
                  seq: int = 128) -> dict[str, float]:
+    """The vjp256 part: ``rounds`` steps of each variant over ``nblocks`` checkpointed
+    transformer blocks; prints its figures and returns them, keyed ``vjp256_...``."""
     torch.manual_seed(0)
     blocks = [Block(d) for _ in range(nblocks)]
     x, g = torch.randn(batch, seq, d), torch.randn(batch, seq, d)
     params = [p for b in blocks for p in b.parameters()]
-
-    def stack(h: torch.Tensor) -> torch.Tensor:
-        for b in blocks:
-            h = ckptfx.checkpoint(b, h)
-        return h
+    plain, stack = chain(blocks), chain(blocks, ckptfx.checkpoint)
 
     def fused() -> None:
         xr = x.detach().requires_grad_()
@@ -294,18 +349,8 @@ def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
         for p in params:
             p.grad = None
 
-    def split_late_drop() -> None:
-        # dx-only replayed tensors dropped when dx ends, not at their read (split Rule 4)
-        cx_split._early_drop_enabled = False
-        try:
-            split()
-        finally:
-            cx_split._early_drop_enabled = True
-
-    def plain(h: torch.Tensor) -> torch.Tensor:
-        for b in blocks:
-            h = b(h)
-        return h
+    # dx-only replayed tensors dropped when dx ends, not at their read (split Rule 4)
+    split_late_drop = _switched(cx_split, "_early_drop_enabled", False, split)
 
     def plain_fused() -> None:
         xr = x.detach().requires_grad_()
@@ -330,7 +375,8 @@ def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
     print(f"dx + dw, {nblocks} checkpointed transformer blocks d={d} batch={batch} seq={seq} "
           f"({rounds} steps): fused {statistics.median(times['fused']) * 1e3:.1f} ms")
     print(f"  vjp_split / fused: {fmt(r)}" + target_note("vjp256_vs_fused"))
-    print(f"  floor: torch's split / fused backward, both without checkpointing: {fmt(r_floor)}")
+    print(f"  floor: torch's split / fused backward, both without checkpointing: "
+          f"{fmt(r_floor)}")
     print(f"  vjp_split with dx-only tensors dropped when dx ends, not at their read / fused: "
           f"{fmt(r_late)}")
     figures = {"vjp256_vs_fused": r[0], "vjp256_torch_plain_split_vs_fused": r_floor[0],

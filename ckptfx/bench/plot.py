@@ -66,12 +66,7 @@ def write_plots(results: dict[str, Any], out_dir: str) -> list[str]:
     ax.set_ylabel("peak memory above the step's start, MiB")
     ax.set_title(f"Llama-style, {c['layers']} layers, dim {c['dim']}, batch {c['batch']} x seq "
                  f"{c['seq']}, {c['device']} ({results['date']})", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    paths.append(os.path.join(out_dir, "memory_vs_time.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_finish(plt, fig, ax, os.path.join(out_dir, "memory_vs_time.png"), 7))
 
     s = results["split"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -84,10 +79,15 @@ def write_plots(results: dict[str, Any], out_dir: str) -> list[str]:
     ax.set_xticks(s["k"])
     ax.set_ylim(bottom=0)
     ax.set_title("split backward: dx + k dw calls (counted)", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    paths.append(os.path.join(out_dir, "split_replays.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_finish(plt, fig, ax, os.path.join(out_dir, "split_replays.png"), 8))
     return paths
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: str, legend_size: int) -> str:
+    """Legend and grid on ``ax``, ``fig`` written to ``path`` (PNG) and closed; ``path``."""
+    ax.legend(fontsize=legend_size)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

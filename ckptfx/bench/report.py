@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._term import human_bytes, table
+from ckptfx._format import human_bytes
+from ckptfx._term import table
 
 __all__ = ["headline_rows", "markdown", "print_results"]
 
@@ -24,9 +25,10 @@ def headline_rows(results: dict[str, Any]) -> list[list[str]]:
     """One row per variant: peak, memory change, tokens/s, throughput change, parity."""
     rows = []
     for v in results["variants"]:
-        rows.append([v["label"], human_bytes(v["peak_bytes"]), _pct(None if v["memory_saved"] is None else -v["memory_saved"]),
-                     f"{v['tokens_per_s']:,.0f}", _pct(v["tokens_per_s_change"]),
-                     "yes" if v["bitwise_equal"] else "NO"])
+        saved = v["memory_saved"]  # None: the reference's peak rose by nothing
+        rows.append([v["label"], human_bytes(v["peak_bytes"]),
+                     _pct(None if saved is None else -saved), f"{v['tokens_per_s']:,.0f}",
+                     _pct(v["tokens_per_s_change"]), "yes" if v["bitwise_equal"] else "NO"])
     return rows
 
 

@@ -28,23 +28,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .measure import BenchConfig
-from .memory import MMAP_ENV, child_env
+from ckptfx.bench.child import BenchError, last_json, run_json
+from ckptfx.bench.measure import BenchConfig
+from ckptfx.bench.memory import MMAP_ENV, child_env
 
-__all__ = ["QUICK", "FULL", "TINY", "SPLIT_KS", "run"]
+__all__ = ["BenchError", "FULL", "MODES", "QUICK", "SPLIT_KS", "TINY", "run"]
 
 # --quick must finish in under two minutes on 2 loaded CPU cores; --tiny is the tests' smoke.
 FULL = BenchConfig(dim=256, layers=4, batch=8, seq=256, steps=2, repeats=2, rounds=7)
 QUICK = BenchConfig(dim=128, layers=2, batch=4, seq=128, steps=2, repeats=1, rounds=9)
 TINY = BenchConfig(dim=32, layers=1, heads=2, kv_heads=1, vocab=64, batch=1, seq=16, steps=1,
                    repeats=1, rounds=1)
+MODES = {"full": FULL, "quick": QUICK, "tiny": TINY}
 SPLIT_KS = (1, 2, 4, 8)
 
 Advance = Callable[[str], None]
-
-
-class BenchError(RuntimeError):
-    """A measuring subprocess failed; the message carries the end of its stderr."""
 
 
 def _env(cfg: BenchConfig, memory: bool) -> dict[str, str]:
@@ -64,22 +62,9 @@ def _command(kind: str, cfg: BenchConfig, args: Sequence[str]) -> list[str]:
             json.dumps(dataclasses.asdict(cfg)), *args]
 
 
-def _last_json(stdout: str, what: str, stderr: str) -> dict[str, Any]:
-    lines = stdout.strip().splitlines()
-    try:
-        return dict(json.loads(lines[-1]))
-    except (IndexError, ValueError):
-        raise BenchError(f"the {what} subprocess printed no result; its stderr ends:\n"
-                         f"{stderr[-3000:]}") from None
-
-
 def _memory(cfg: BenchConfig, variant: str) -> dict[str, Any]:
-    proc = subprocess.run(_command("memory", cfg, [variant]), env=_env(cfg, memory=True),
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise BenchError(f"the memory subprocess of variant {variant!r} failed; its stderr "
-                         f"ends:\n{proc.stderr[-3000:]}")
-    return _last_json(proc.stdout, f"memory ({variant})", proc.stderr)
+    return run_json(_command("memory", cfg, [variant]), _env(cfg, memory=True),
+                    f"memory subprocess of variant {variant!r}")
 
 
 def _time(cfg: BenchConfig, variants: list[str], advance: Advance) -> dict[str, Any]:
@@ -95,16 +80,15 @@ def _time(cfg: BenchConfig, variants: list[str], advance: Advance) -> dict[str, 
     stderr = proc.stderr.read()
     if proc.wait() != 0:
         raise BenchError(f"the timing subprocess failed; its stderr ends:\n{stderr[-3000:]}")
-    return _last_json("".join(lines), "timing", stderr)
+    return last_json("".join(lines), "timing subprocess", stderr)
 
 
 def _split(cfg: BenchConfig, ks: Sequence[int], advance: Advance) -> dict[str, Any]:
-    from .llama import DecoderLayer, LlamaConfig, rotary_tables
-    from .split import count_split_replays
+    from ckptfx.bench.llama import DecoderLayer, rotary_tables
+    from ckptfx.bench.split import count_split_replays
 
     # Counts do not depend on the shape: a short sequence keeps the 1 + k torch replays cheap.
-    lcfg = LlamaConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                       vocab=cfg.vocab)
+    lcfg = cfg.model_config()
     torch.manual_seed(0)
     layers = [DecoderLayer(lcfg) for _ in range(cfg.layers)]
     seq = min(cfg.seq, 32)
@@ -133,8 +117,8 @@ def run(cfg: BenchConfig, variants: Sequence[str], ks: Sequence[int] = SPLIT_KS,
         memory_jobs: int = 1) -> dict[str, Any]:
     """Measure ``variants`` (registry names; ``"none"`` first, it is the reference), with up
     to ``memory_jobs`` memory subprocesses at a time."""
-    from .. import __version__
-    from .variants import get
+    from ckptfx import __version__
+    from ckptfx.bench.variants import get
 
     names = list(variants)
     if not names or names[0] != "none":

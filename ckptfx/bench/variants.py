@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.utils.checkpoint as tcp
 
-from ..checkpoint import checkpoint as cx_checkpoint
-from ..remat import remat
-from ..policies import DOTS, checkpoint_policies
-from .llama import LayerCall, plain_call
+from ckptfx.bench.llama import LayerCall, plain_call
+from ckptfx.checkpoint import checkpoint as cx_checkpoint
+from ckptfx.policies.named import DOTS, checkpoint_policies
+from ckptfx.remat import remat
 
-__all__ = ["BUDGETS", "VARIANTS", "Variant", "available", "get", "register"]
+__all__ = ["BUDGETS", "VARIANTS", "Variant", "available", "get", "register", "sac_policy"]
+
+SacPolicy = Callable[..., tcp.CheckpointPolicy]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +77,19 @@ def _torch_call() -> LayerCall:
     return call
 
 
-def _torch_dots_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """torch selective checkpoint saving the matrix products (JAX's dots_saveable)."""
-    return (tcp.CheckpointPolicy.MUST_SAVE if op in DOTS
-            else tcp.CheckpointPolicy.PREFER_RECOMPUTE)
+def sac_policy(ops: Collection[Any]) -> SacPolicy:
+    """A policy of torch's selective checkpoint (SAC) saving the outputs of ``ops`` and
+    recomputing the rest: with ckptfx's ``DOTS``, what ``dots_saveable`` saves (this
+    registry's ``torch_sac_dots``); the overhead bench passes the four matrix products."""
+    must, prefer = tcp.CheckpointPolicy.MUST_SAVE, tcp.CheckpointPolicy.PREFER_RECOMPUTE
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> tcp.CheckpointPolicy:
+        return must if op in ops else prefer
+    return policy
 
 
 def _torch_sac_call() -> LayerCall:
-    context_fn = functools.partial(tcp.create_selective_checkpoint_contexts, _torch_dots_policy)
+    context_fn = functools.partial(tcp.create_selective_checkpoint_contexts, sac_policy(DOTS))
 
     def call(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return tcp.checkpoint(layer, h, cos, sin, use_reentrant=False, context_fn=context_fn)

@@ -144,7 +144,7 @@ def run_session(e: Env, wrapped) -> tuple[list, list]:
 
 def run_later_call(e: Env, wrapped) -> tuple[list, list]:
     """A remat'd function's later call: a first forward + backward teaches it the block
-    (ckptfx.rerun: a block that keeps nothing runs unrecorded from then on), then the run
+    (ckptfx.recording.unrecorded: a block that keeps nothing runs unrecorded from then on), then the run
     that counts (its block runs only)."""
     run_autograd(e, wrapped)
     e.calls = 0

@@ -1,0 +1,30 @@
+"""The split backward: ``vjp_split`` and ``grad_split``, dx and dw as two calls, one replay.
+
+A zero-bubble pipeline runs a micro-batch's input gradients (dx) early and its weight
+gradients (dw) later. Here the two share one recompute session, so each checkpointed block
+is replayed once for both. Its files, bottom to top (imports point down, to the kernel and
+the compile lowering):
+
+- ``keys.py``: which split owns which session key;
+- ``primals.py``: the primals as flat tensor lists, the cotangent's check, gradients packed
+  back into pytrees;
+- ``weight_groups.py``: weights grouped by where their gradient paths leave the input path;
+- ``data_parallel.py``: FSDP2 and DDP under the split (unshard, hold, reduce as the wrapper
+  would);
+- ``weight_calls.py``: how the weight pass calls the engine (per group, or one backward);
+- ``weight_pass.py``: dw itself, one ``autograd.grad`` per weight group;
+- ``api.py``: ``vjp_split`` and ``grad_split`` (re-exported here: ``ckptfx.split.vjp_split``).
+
+Rules (api.py's note gives the detail):
+
+1. **One forward, one replay**: the forward runs when the split is made; dx registers its
+   blocks to the session and dw reads the same replays (api.py Rules 1-3).
+2. **dw is the last consumer**: it clears the session in a ``finally``, also when it raises
+   (api.py Rule 5); any other order of calls raises before anything is computed (Rule 6).
+3. **Data parallel as the wrapper would**: FSDP2 and DDP gradients are reduced bitwise as in
+   their own backward, or the split refuses before writing any (data_parallel.py Rule 3).
+"""
+
+from ckptfx.split.api import grad_split, vjp_split
+
+__all__ = ["grad_split", "vjp_split"]
