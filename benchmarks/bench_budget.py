@@ -56,7 +56,7 @@ def _child(cfg: dict) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     d, seq, batch, n = cfg["d"], cfg["seq"], cfg["batch"], cfg["blocks"]
-    blocks = [Block(d, dropout=0.1) for _ in range(n)]
+    blocks = [Block(d, dropout=0.1, attention="matmul") for _ in range(n)]
     params = [p for b in blocks for p in b.parameters()]
     variant = cfg["variant"]
     if variant == "none":
@@ -145,7 +145,7 @@ def planning(d: int, seq: int, batch: int, repeats: int = 5) -> dict[str, Any]:
     budget.Frontier.from_recording = classmethod(timed)  # type: ignore[method-assign]
     try:
         for _ in range(repeats):
-            block = Block(d, dropout=0.1)
+            block = Block(d, dropout=0.1, attention="matmul")
             x = torch.randn(batch, seq, d, requires_grad=True)
             ckptfx.remat(block.forward, policy=cp.memory_budget(0.5))(x).sum().backward()
     finally:

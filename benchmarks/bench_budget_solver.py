@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(r['budgets'] for r in big)} budgets")
     d, seq, batch = (64, 32, 2) if args.quick else (256, 128, 8)
     torch.manual_seed(0)
-    r = compare(Block(d, dropout=0.1).forward, torch.randn(batch, seq, d, requires_grad=True))
+    r = compare(Block(d, dropout=0.1, attention="matmul").forward, torch.randn(batch, seq, d, requires_grad=True))
     print(f"transformer Block d={d} seq {seq} batch {batch}: {r['units']} candidate ops, proven "
           f"exact {r['exact']}, {r['cuts']} min cuts, planning {r['seconds']:.3f} s; fewer "
           f"FLOPs than the greedy chains at {len(r['gains'])} of {r['budgets']} budgets")

@@ -69,7 +69,7 @@ count_run.register_autograd(lambda ctx, g: g)
 def counted_block(d: int) -> nn.Sequential:
     """A pre-norm transformer block with dropout, its runs counted by ``count_run``, an op
     that stays inside compiled graphs (a Python counter would run once, at tracing)."""
-    return nn.Sequential(_CountRun(), Block(d, dropout=0.1))
+    return nn.Sequential(_CountRun(), Block(d, dropout=0.1, attention="matmul"))
 
 
 class _CountRun(nn.Module):

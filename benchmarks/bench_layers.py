@@ -51,7 +51,7 @@ def _child(cfg: dict) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     n, d = cfg["n"], cfg["d"]
-    layers = torch.nn.ModuleList(Block(d, dropout=0.1) for _ in range(n))
+    layers = torch.nn.ModuleList(Block(d, dropout=0.1, attention="matmul") for _ in range(n))
     segments = max(1, round(math.sqrt(n)))
     x = torch.randn(cfg["batch"], cfg["seq"], d, requires_grad=True)
     variant = cfg["variant"]

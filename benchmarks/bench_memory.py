@@ -76,7 +76,7 @@ def _child(cfg: dict) -> dict:
         mods = list(encoder_stack(cfg["blocks"], d))
         fns = mods
     elif model == "block":
-        mods = [Block(d, dropout=0.1) for _ in range(cfg["blocks"])]
+        mods = [Block(d, dropout=0.1, attention="matmul") for _ in range(cfg["blocks"])]
         fns = mods
     elif model == "llama":
         from transformers import LlamaConfig

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as tcp
 
 import ckptfx
-import ckptfx.split.api as cx_split
+import ckptfx.split.passes as split_passes
 from ckptfx.bench.blocks import Block, count_runs
 from ckptfx.bench.figures import medians, rounds_of
 from ckptfx.bench.memory import peak_above_start, reexec_with_small_mmap_threshold
@@ -43,7 +43,7 @@ class Stack(nn.Module):
 
     def __init__(self, d: int, n: int, variant: str) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d, dropout=0.1) for _ in range(n))
+        self.blocks = nn.ModuleList(Block(d, dropout=0.1, attention="matmul") for _ in range(n))
         self.variant = variant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,7 @@ def bench_memory(d: int, n: int, batch: int, seq: int, rounds: int) -> None:
 
     print(f"(c) memory, {n} checkpointed transformer blocks d={d} batch={batch} seq={seq}:")
     for trim in (True, False):
-        cx_split.trim_enabled = trim
+        split_passes.trim_enabled = trim
         out, dx_fn, dw_fn = ckptfx.vjp_split(stack, xs[0], params=params)
         sid = dx_fn.session
         dx_fn.prefire()
@@ -183,11 +183,11 @@ def bench_memory(d: int, n: int, batch: int, seq: int, rounds: int) -> None:
     ffbbww()
     for _ in range(rounds):
         for trim in (True, False):
-            cx_split.trim_enabled = trim
+            split_passes.trim_enabled = trim
             for p in params:
                 p.grad = None
             peaks[trim].append(peak_above_start(ffbbww))
-    cx_split.trim_enabled = True
+    split_passes.trim_enabled = True
     pt, pa = statistics.median(peaks[True]), statistics.median(peaks[False])
     print(f"    F F B B W W peak RSS above start: trimmed {pt * mib:.1f} MiB, all retained "
           f"{pa * mib:.1f} MiB ({pt / max(pa, 1):.3f}x)")

@@ -15,6 +15,7 @@ Example::
 """
 
 from ckptfx import _compat
+from ckptfx._public import report_home as _report_home
 from ckptfx.budget import memory_budget_policies
 from ckptfx.checkpoint import checkpoint, checkpoint_wrapper, noop_context_fn, unwrap_checkpoint
 from ckptfx.integrations import apply_activation_checkpointing
@@ -36,6 +37,10 @@ from ckptfx.remat import remat
 from ckptfx.residuals import Residual, print_saved_residuals, saved_residuals
 from ckptfx.sequential import checkpoint_layers, checkpoint_sequential
 from ckptfx.split import grad_split, vjp_split
+
+# Back-compat, outside ``__all__``: importable from here before ckptfx had subpackages; the
+# documented paths are ``ckptfx.checkpoint_policies.memory_budget`` and ``ckptfx.budget``.
+from ckptfx.budget import memory_budget
 
 _compat.import_npu()
 
@@ -79,10 +84,7 @@ __all__ = [
 # public module that owns it (``ckptfx.policies``, ``ckptfx.budget``). The names that pickles
 # store keep theirs: policy classes name ``ckptfx.policies`` (its Rule 2), and torch's own
 # ``noop_context_fn`` stays torch's.
-for _name in __all__:
-    _obj = globals()[_name]
-    if (isinstance(_obj, type) or callable(_obj)) and hasattr(_obj, "__module__") and (
-            _obj.__module__.startswith("ckptfx.")
-            and _obj.__module__ not in ("ckptfx.policies", "ckptfx.budget")):
-        _obj.__module__ = __name__
-del _name, _obj
+_report_home(__name__, [
+    obj for obj in map(globals().__getitem__, __all__)
+    if callable(obj) and getattr(obj, "__module__", "").startswith("ckptfx.")
+    and obj.__module__ not in ("ckptfx.policies", "ckptfx.budget")])

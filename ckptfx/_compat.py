@@ -218,8 +218,8 @@ def functorch_level(compiling: bool | None = None) -> int:
     every backward of the process. While any transform is active functorch keeps its front
     dispatch key in the thread's included set (it adds it with the first layer and removes it
     with the last), so that key answers "none" without touching the state. (Dynamo cannot
-    trace that read; it models functorch's level itself.) ``compiling``: ``is_compiling()``, where the
-    caller has asked already."""
+    trace that read; it models functorch's level itself.) ``compiling``: ``is_compiling()``,
+    where the caller has asked already."""
     if compiling is None:
         compiling = torch.compiler.is_compiling()
     if not compiling and not _dispatch_key_included(_FUNCTORCH_FRONT):
@@ -248,7 +248,10 @@ def functorch_vmaps_popped(tensors: Sequence[torch.Tensor]) -> Iterator[int]:
     vmap entered after those tensors were made: jacrev's vmap over a backward), pushing them
     back on exit. Yields how many were popped."""
     from torch._C._functorch import (  # private: the interpreter stack of torch.func
-        peek_interpreter_stack, pop_dynamic_layer_stack, push_dynamic_layer_stack)
+        peek_interpreter_stack,
+        pop_dynamic_layer_stack,
+        push_dynamic_layer_stack,
+    )
     popped: list[Any] = []
     try:
         while True:

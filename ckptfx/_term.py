@@ -120,7 +120,12 @@ def progress(description: str, total: int) -> Iterator[Progress]:
         yield Progress(None, None, total)
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
     from rich.progress import Progress as RichProgress
 
     with RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

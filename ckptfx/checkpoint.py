@@ -11,12 +11,12 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
-from ckptfx import _compat
-from ckptfx import lowering
+from ckptfx import _compat, lowering
 from ckptfx.kernel.forward import run_checkpointed
 from ckptfx.kernel.frame import CheckpointError
-from ckptfx.policies.checks import NameCheck, check_policy, name_check, shared_name_check
-from ckptfx.policies.named import NothingSaveable, nothing_saveable
+from ckptfx.policies.checks import NameCheck, name_check, shared_name_check
+from ckptfx.policies.named import NothingSaveable, check_policy, nothing_saveable
+from ckptfx.remat import RematOptions, call
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "noop_context_fn"]
 
@@ -318,10 +318,6 @@ def run_with_policy(function: Callable[..., Any], args: tuple[Any, ...],
         return lowering.lower(function, lowering.policy_context_fn(policy), args, kwargs,
                               "ckptfx.checkpoint(policy=...)")
     lowering.policy_context_fn(policy)  # made now, outside compiled code, for compiled calls
-    # Imported here, not at the top: a policy turns the call into a transform (remat), and
-    # the kernel modules never import a transform at import time.
-    from ckptfx.remat import RematOptions, call
-
     # nothing_saveable is remat's own default (None), without asking a policy per op
     decide = None if isinstance(policy, NothingSaveable) else policy
     return call(function, RematOptions(decide, early_stop, (), frozenset()), args, kwargs,

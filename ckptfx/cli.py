@@ -27,7 +27,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptfx
-
 from ckptfx._format import human_bytes
 from ckptfx._term import note, rule, table
 from ckptfx.bench.sweep import BenchError
@@ -159,7 +158,7 @@ def parse_policy(spec: str) -> Any:
     names into one list (``save_and_offload_only_these_names:names_which_can_be_saved=a+b,
     names_which_can_be_offloaded=c``); numbers are read as numbers
     (``memory_budget:0.5``)."""
-    from ckptfx.policies.protocol import Policy
+    from ckptfx.policies import Policy
 
     name, _, arg_text = spec.partition(":")
     cp = ckptfx.checkpoint_policies

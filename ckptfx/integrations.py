@@ -32,11 +32,10 @@ from typing import Any, Callable, TypeVar
 
 from torch import nn
 
-from ckptfx.checkpoint import checkpoint, checkpoint_wrapper
-from ckptfx.policies.named import checkpoint_function_error
-from ckptfx.policies.checks import check_policy
 from ckptfx.budget.planner import memory_budget_policies
+from ckptfx.checkpoint import checkpoint, checkpoint_wrapper
 from ckptfx.policies.budget_policy import MemoryBudget
+from ckptfx.policies.named import check_policy, checkpoint_function_error
 
 __all__ = ["apply_activation_checkpointing", "find_blocks"]
 

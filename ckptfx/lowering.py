@@ -63,16 +63,20 @@ from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 from ckptfx import _compat
 from ckptfx.kernel import replay_env
-from ckptfx.policies.name_op import NAME_OP
+from ckptfx.kernel.forward import run_checkpointed
 from ckptfx.kernel.frame import CheckpointError, tls
+from ckptfx.kernel.handles import collecting
+from ckptfx.policies.name_op import NAME_OP
 from ckptfx.policies.named import NothingSaveable
 from ckptfx.policies.names import checkpoint_name
 from ckptfx.policies.protocol import Offload, Policy, call_policy, decide
-from ckptfx.kernel.handles import collecting
 
 __all__ = ["CompileOffloadWarning", "CompiledBlockWarning", "CompiledPolicy",
            "CompiledReplayWarning", "Lowered", "check_split_graph", "note_lowered"]
@@ -192,8 +196,6 @@ _block_warned = [False]
 def call_compiled(fun: Callable[..., Any], policy: Any, early_stop: bool,
                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One eager call of ``remat(fun)`` for a compiled ``fun`` (Rule 6)."""
-    from ckptfx.kernel.forward import run_checkpointed  # checkpoint.py imports this module
-
     if (policy is not None and not isinstance(policy, NothingSaveable)
             and torch.is_grad_enabled() and not _block_warned[0]):
         _block_warned[0] = True

@@ -63,15 +63,15 @@ import torch
 import torch.distributed.pipelining as _tpp
 
 from ckptfx import _compat
-from ckptfx.kernel.fsdp import unshard_fsdp_modules
 from ckptfx.kernel.frame import tls
+from ckptfx.kernel.fsdp import unshard_fsdp_modules
 from ckptfx.kernel.handles import RecomputeHandle, recompute_handle_collector_ctx
 from ckptfx.kernel.session import (
     clear_recompute_session,
     recompute_handle,
     recompute_session_ctx,
 )
-from ckptfx.split import api as split_api
+from ckptfx.split import passes as split_passes
 from ckptfx.split.weight_groups import trim_session, weight_pass_nodes
 
 __all__ = ["PipelineStage"]
@@ -184,7 +184,7 @@ class PipelineStage(_tpp.PipelineStage):
                     act.log = None
             state = self.backward_state.get(bwd_chunk_id)
             groups = state[1] if state is not None else None
-            if groups and split_api.trim_enabled:
+            if groups and split_passes.trim_enabled:
                 keep = weight_pass_nodes((g["intermediates"], g["params"]) for g in groups)
                 trim_session(act.session, log, keep)
         except BaseException:

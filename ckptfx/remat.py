@@ -25,27 +25,25 @@ from typing import Any, Callable, Sequence, TypeVar
 import optree
 import torch
 
-from ckptfx import _compat
+from ckptfx import _compat, lowering
 from ckptfx.budget.planner import tracer_for
-from ckptfx.policies.budget_policy import MemoryBudget
-from ckptfx import lowering
-from ckptfx.kernel.function_replay import rerun_function
-from ckptfx.kernel.frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
 from ckptfx.func_path.call import call_function_path
+from ckptfx.kernel.frame import Frame, refuse_new_frame_in_scheduled_replay, unpack_hook
+from ckptfx.kernel.function_replay import rerun_function
+from ckptfx.kernel.handles import collect, uncollect
+from ckptfx.kernel.refill import first_node, plain_saves, scope_on_top
+from ckptfx.policies.budget_policy import MemoryBudget
 from ckptfx.policies.checks import (
     NameCheck,
-    check_policy,
     is_policy_like,
     name_check,
     positional_policy_message,
 )
-from ckptfx.policies.named import NothingSaveable
-from ckptfx.kernel.refill import first_node, plain_saves, scope_on_top
-from ckptfx.recording.unrecorded import plan_for
-from ckptfx.kernel.handles import collect, uncollect
+from ckptfx.policies.named import NothingSaveable, check_policy
 from ckptfx.policies.tracer_stack import reporting
 from ckptfx.recording.packs import residual_unpack_hook
 from ckptfx.recording.tracer import Tracer
+from ckptfx.recording.unrecorded import plan_for
 
 __all__ = ["remat"]
 

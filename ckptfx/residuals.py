@@ -17,13 +17,13 @@ import optree
 import torch
 from torch import nn
 
-from ckptfx.budget import planner as budget
 from ckptfx._format import human_bytes
+from ckptfx.budget import planner
 from ckptfx.func_path.call import modules_read_by
 from ckptfx.policies.named import everything_saveable
-from ckptfx.remat import RematOptions, call, unwrap
 from ckptfx.policies.tracer_stack import tracer_stack as _stack
 from ckptfx.recording.tracer import Tracer
+from ckptfx.remat import RematOptions, call, unwrap
 
 __all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
 
@@ -90,7 +90,7 @@ _Storage = tuple[str, int, int]
 
 
 def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
-               ) -> tuple[list[tuple[Residual, _Storage]], list[budget.Note]]:
+               ) -> tuple[list[tuple[Residual, _Storage]], list[planner.Note]]:
     """``saved_residuals``, each with the storage it keeps alive, and the memory-budget
     notes of the call they are listed from (what a budget chose, and why)."""
     if not callable(fun):
@@ -103,15 +103,15 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
     if inner is None:
         inner = (fun, RematOptions(everything_saveable, True, (), frozenset()))
     target, options = inner
-    budget.take_notes()  # notes of earlier calls are not this report's
+    planner.take_notes()  # notes of earlier calls are not this report's
     report = _report(target, options, args, kwargs)
-    notes = budget.take_notes()
+    notes = planner.take_notes()
     if any(note.planned_now for note in notes):
         # A memory budget planned in that call (and kept nothing, ckptfx.budget Rule 1): run
         # again to list what later calls keep. The plan is told once: by the planning
         # call's notes, which say that the list is a later call's.
         report = _report(target, options, args, kwargs)
-        budget.take_notes()
+        planner.take_notes()
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
     modules = _modules(fun, target, leaves)
     outside = _outside_names(target, modules)

@@ -34,8 +34,11 @@ import torch
 from torch import nn
 
 from ckptfx.checkpoint import check_use_reentrant, checkpoint
+from ckptfx.kernel.handles import (
+    forward_to_outer_collector,
+    recompute_handle_collector_ctx,
+)
 from ckptfx.remat import remat
-from ckptfx.kernel.handles import forward_to_outer_collector, recompute_handle_collector_ctx
 
 __all__ = ["checkpoint_layers", "checkpoint_sequential"]
 

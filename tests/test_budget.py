@@ -214,7 +214,7 @@ def optimum(points: list[budget.Point], limit: int) -> int:
 class TwoDropouts:
     """Dropout of (dropout's output @ w): the second dropout continues the first's generator
     and reads a value nothing packs, so the replay's frontier never keeps it (the cut model
-    is a bound only here, _budget_cut Rule 2)."""
+    is a bound only here, budget/cut.py Rule 2)."""
 
     d = 16
 

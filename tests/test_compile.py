@@ -22,7 +22,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.utils.checkpoint import CheckpointPolicy
 
 import ckptfx
-from ckptfx import lowering as _compile
+from ckptfx import lowering
 from ckptfx import checkpoint_policies as cp
 
 from conftest import assert_bitwise, maybe_autocast
@@ -54,7 +54,7 @@ tick.register_autograd(lambda ctx, g: g)
 @pytest.fixture(autouse=True)
 def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
-    _compile._replay_warned.clear()
+    lowering._replay_warned.clear()
     yield
     torch._dynamo.reset()
 
@@ -228,7 +228,7 @@ def test_remat_with_static_and_keyword_arguments_compiles() -> None:
 
 def test_compiled_policy_answers_in_torch_terms() -> None:
     x = torch.randn(2, 2)
-    ask = lambda policy, op, *a, **k: _compile.CompiledPolicy(policy)(None, op, *a, **k)  # noqa
+    ask = lambda policy, op, *a, **k: lowering.CompiledPolicy(policy)(None, op, *a, **k)  # noqa
     assert ask(cp.dots_saveable, aten.mm.default, x, x) is CheckpointPolicy.MUST_SAVE
     assert ask(cp.dots_saveable, aten.sin.default, x) is CheckpointPolicy.PREFER_RECOMPUTE
     name_op = torch.ops.ckptfx.checkpoint_name.default
@@ -367,7 +367,7 @@ if __name__ == "__main__":  # the fresh process of the test above
 
 def test_remat_of_a_compiled_function_warns_that_the_policy_cannot_see_inside() -> None:
     compiled = torch.compile(make_blocks(1)[0], backend="eager")
-    _compile._block_warned[0] = False
+    lowering._block_warned[0] = False
     x = x_input()
     with pytest.warns(ckptfx.CompiledBlockWarning, match="remat the uncompiled function"):
         ckptfx.remat(compiled, policy=cp.dots_saveable)(x).sum().backward()

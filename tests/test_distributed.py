@@ -73,9 +73,9 @@ def _runs_and_grad(name: str) -> tuple[int, torch.Tensor]:
 def registered() -> Any:
     ckptfx.register_collective(FAKE)
     yield
-    from ckptfx.kernel import collectives as _collectives
-    _collectives._registered.discard(FAKE)
-    _collectives._KIND.pop(FAKE, None)
+    from ckptfx.kernel import collectives
+    collectives._registered.discard(FAKE)
+    collectives._KIND.pop(FAKE, None)
 
 
 def test_a_registered_collective_is_kept_not_replayed(registered: None) -> None:
@@ -121,7 +121,7 @@ def test_a_collective_returning_a_tensor_subclass_is_refused_in_the_forward() ->
     # the forward says so, rather than the replay handing out an empty tensor.
     from torch.testing._internal.two_tensor import TwoTensor
 
-    from ckptfx.kernel import collectives as _collectives
+    from ckptfx.kernel import collectives
     op = torch.ops.aten.sin.default
     ckptfx.register_collective(op)
     try:
@@ -129,9 +129,9 @@ def test_a_collective_returning_a_tensor_subclass_is_refused_in_the_forward() ->
         with pytest.raises(ckptfx.CheckpointError, match="returned a tensor subclass"):
             ckptfx.checkpoint(lambda t: torch.sin(t) * 2, x)
     finally:
-        _collectives._registered.discard(op)
-        _collectives._KIND.pop(op, None)
-    assert not _collectives.is_collective(op)
+        collectives._registered.discard(op)
+        collectives._KIND.pop(op, None)
+    assert not collectives.is_collective(op)
 
 
 def test_register_collective_names_what_it_expects() -> None:
@@ -145,7 +145,7 @@ def test_distributed_check_follows_a_replaced_c10d_world(monkeypatch: pytest.Mon
     # torch may replace c10d's state object at run time (its threaded test harness does):
     # the check reads the one in place now, as torch.distributed.is_initialized does.
     from ckptfx import _compat
-    from ckptfx.kernel import collectives as _collectives
+    from ckptfx.kernel import collectives
 
     c10d = torch.distributed.distributed_c10d
 
@@ -156,7 +156,7 @@ def test_distributed_check_follows_a_replaced_c10d_world(monkeypatch: pytest.Mon
     monkeypatch.setattr(c10d, "_world", World())
     assert torch.distributed.is_initialized() is True
     assert _compat.distributed_initialized() is True
-    assert _collectives.watch_needed() is True
+    assert collectives.watch_needed() is True
 
 
 # -- two gloo ranks ------------------------------------------------------------------------------

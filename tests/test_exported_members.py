@@ -34,12 +34,34 @@ def test_every_public_name_reports_a_public_module() -> None:
     assert not wrong, f"public names reporting private homes: {wrong}"
 
 
-def test_every_public_callable_defined_in_ckptfx_is_exported() -> None:
-    """Nothing public-looking hides in the package namespace outside ``__all__``."""
-    extra = [n for n, v in vars(ckptfx).items()
+# Importable from ``ckptfx`` before the package had subpackages, kept (and labelled so in
+# ckptfx/__init__.py) for code written then; not in ``__all__``.
+BACK_COMPAT = {"memory_budget"}
+
+
+def test_nothing_public_looking_hides_outside_all() -> None:
+    """Nothing public-looking is in the package namespace outside ``__all__`` but the
+    labelled back-compat names."""
+    extra = {n for n, v in vars(ckptfx).items()
              if not n.startswith("_") and n not in ckptfx.__all__
-             and not isinstance(v, type(ckptfx))]  # submodules are reachable as attributes
-    assert not extra, extra
+             and not isinstance(v, type(ckptfx))}  # submodules are reachable as attributes
+    assert extra == BACK_COMPAT
+
+
+def test_public_classes_keep_their_type_hints() -> None:
+    """Reporting the public module as ``__module__`` does not break ``typing.get_type_hints``
+    (config tools read dataclass fields with it), for every public class and policy class."""
+    import typing
+
+    from ckptfx import policies
+
+    classes = [getattr(ckptfx, n) for n in ckptfx.__all__ if isinstance(getattr(ckptfx, n), type)]
+    classes += [v for v in vars(policies).values() if isinstance(v, type)]
+    classes += [ckptfx.budget.MemoryBudget, ckptfx.budget.BlockShare, ckptfx.budget.ModelBudget]
+    for cls in classes:
+        typing.get_type_hints(cls)  # raises NameError where an annotation cannot be resolved
+    hints = typing.get_type_hints(ckptfx.SessionStats)
+    assert hints and all(not isinstance(h, str) for h in hints.values())
 
 
 @pytest.mark.parametrize("path", [

@@ -22,7 +22,7 @@ PACKAGE = pathlib.Path(ckptfx.__file__).parent
 # cycle) or of a layer below, never above. Layers of one rank are siblings: they do not
 # import each other. Unlisted modules fail the test, so a new file has to choose its layer.
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("ckptfx._compat", "ckptfx._ops", "ckptfx._format", "ckptfx._user_stack")),
+    (0, ("ckptfx._compat", "ckptfx._ops", "ckptfx._format", "ckptfx._user_stack", "ckptfx._public")),
     (1, ("ckptfx.kernel",)),
     (2, ("ckptfx.policies",)),
     (3, ("ckptfx.recording",)),

@@ -134,3 +134,16 @@ def test_a_partial_of_checkpoint_pickles_by_its_public_name_and_loads_both_ways(
     assert pickle.loads(data).func is ckptfx.checkpoint
     assert ("ckptfx.checkpoint", "checkpoint") in _globals(_old_bytes())
     assert pickle.loads(_old_bytes())["hf_partial"].func is ckptfx.checkpoint
+
+
+def test_the_policy_namespace_pickles_by_public_paths_only() -> None:
+    """``checkpoint_policies`` pickles its class and its factories by the public modules
+    (``ckptfx.policies``, ``ckptfx.budget``), so the next move of a file cannot break it."""
+    data = pickle.dumps(cp, protocol=2)
+    named = {g for g in _globals(data) if g[0].startswith("ckptfx")}
+    assert ("ckptfx.policies", "_PolicyNamespace") in named
+    assert ("ckptfx.policies", "save_only_these_names") in named
+    assert ("ckptfx.budget", "memory_budget") in named
+    assert {m for m, _ in named} == {"ckptfx.policies", "ckptfx.budget"}
+    loaded = pickle.loads(data)
+    assert type(loaded) is type(cp) and vars(loaded) == vars(cp)

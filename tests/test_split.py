@@ -598,7 +598,7 @@ def test_grad_split_keeps_only_what_dw_reads_between_dx_and_dw(
         monkeypatch: pytest.MonkeyPatch, per_group: None) -> None:
     """grad_split trims the session after dx as vjp_split does: fewer tensors and bytes held
     than with every replayed tensor retained, the same gradients, nothing held after dw."""
-    import ckptfx.split.api as cx_split
+    import ckptfx.split.passes as split_passes
 
     stack = make_stack()
     params = dict(stack.named_parameters())
@@ -606,7 +606,7 @@ def test_grad_split_keeps_only_what_dw_reads_between_dx_and_dw(
     dx_fn, dw_fn = ckptfx.grad_split(_loss_fn(stack), x_argnums=1, has_aux=True)
     held, grads = {}, {}
     for trim in (False, True):
-        monkeypatch.setattr(cx_split, "trim_enabled", trim)
+        monkeypatch.setattr(split_passes, "trim_enabled", trim)
         torch.manual_seed(10)
         (_, _), dx = dx_fn(params, x, session=("trim", trim), scale=2.0)
         stats = ckptfx.recompute_session_stats()[("trim", trim)]

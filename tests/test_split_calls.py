@@ -1,5 +1,5 @@
 """How the split's weight pass calls the engine (``ckptfx.split.weight_calls``) and when dx frees
-the replayed tensors only it reads (``ckptfx.split`` Rule 4).
+the replayed tensors only it reads (``ckptfx.split.passes`` Rule 4).
 
 Parity is bitwise against a fused backward without any checkpoint; work is counted (block
 runs, a custom Function's backward calls, engine groups), never timed.

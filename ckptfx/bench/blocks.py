@@ -1,8 +1,9 @@
 """The small models the benchmarks time and measure, each defined once.
 
-- ``Block``: a pre-norm transformer block (attention through ``bmm``, GELU MLP), with
-  optional dropout. Without dropout it is the block of ``ckptfx bench --overhead``'s remat
-  and vjp256 parts; the developer scripts in ``benchmarks/`` use it with ``dropout=0.1``.
+- ``Block``: a pre-norm transformer block (GELU MLP), with optional dropout. Without dropout
+  and with attention through ``bmm`` it is the block of ``ckptfx bench --overhead``'s remat
+  and vjp256 parts; the developer scripts in ``benchmarks/`` use ``dropout=0.1`` and 4-D
+  ``@`` attention (``attention="matmul"``), the form their README figures were measured on.
 - ``MLPBlock``: ``x + fc2(gelu(fc1(x)))``, the split step's small block.
 - ``encoder_stack``: ``nn.TransformerEncoderLayer`` blocks (pre-norm, dropout 0.1), torch's
   own layer, for the scripts that compare against it.
@@ -29,16 +30,24 @@ Wrap = Callable[[Any, torch.Tensor], torch.Tensor]
 class Block(nn.Module):
     """A pre-norm transformer block: ``x + proj(attention(ln1(x)))``, then
     ``x + fc2(gelu(fc1(ln2(x))))``; ``dropout`` > 0 drops out the attention probabilities and
-    the MLP's hidden values (always, as ``F.dropout`` does by default)."""
+    the MLP's hidden values (always, as ``F.dropout`` does by default). ``attention``:
+    ``"bmm"`` (heads folded into the batch, two ``bmm``) or ``"matmul"`` (4-D ``@`` on
+    ``(batch, heads, seq, head_dim)`` views: the same values through more view ops, which a
+    memory budget's planner counts as more candidate ops)."""
 
-    def __init__(self, d: int, heads: int = 4, dropout: float = 0.0) -> None:
+    def __init__(self, d: int, heads: int = 4, dropout: float = 0.0,
+                 attention: str = "bmm") -> None:
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        if attention not in ("bmm", "matmul"):
+            raise ValueError(f"attention must be 'bmm' or 'matmul', got {attention!r}")
+        self.heads, self.dropout, self.attention = heads, dropout, attention
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.attention == "matmul":
+            return self._forward_4d(x)
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(
             2, 0, 3, 1, 4).reshape(3, b * self.heads, t, d // self.heads)
@@ -48,6 +57,19 @@ class Block(nn.Module):
             a = F.dropout(a, self.dropout)
         o = torch.bmm(a, v).view(b, self.heads, t, -1).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(o)
+        m = F.gelu(self.fc1(self.ln2(x)))
+        if self.dropout:
+            m = F.dropout(m, self.dropout)
+        return x + self.fc2(m)
+
+    def _forward_4d(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        a = (q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5).softmax(-1)
+        if self.dropout:
+            a = F.dropout(a, self.dropout)
+        x = x + self.proj((a @ v).transpose(1, 2).reshape(b, t, d))
         m = F.gelu(self.fc1(self.ln2(x)))
         if self.dropout:
             m = F.dropout(m, self.dropout)

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ckptfx.policies.names import checkpoint_name
+from ckptfx import checkpoint_name
 
 __all__ = ["DecoderLayer", "LayerCall", "LlamaConfig", "LlamaModel", "ModelShape", "RMSNorm",
            "plain_call", "rotary_tables"]

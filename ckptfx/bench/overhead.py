@@ -66,10 +66,22 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 import ckptfx
 from ckptfx import checkpoint_policies as cp
 from ckptfx.bench.blocks import Block, MLPBlock
-from ckptfx.bench.figures import (TARGETS, fmt, medians, ratio, rounds_of, target_note,
-                                  verdict)
-from ckptfx.bench.overhead_split import (KEEP_FREED_MEMORY, bench_split, bench_vjp256,
-                                         bench_vjp256_keeping_freed_memory, split_variants)
+from ckptfx.bench.figures import (
+    TARGETS,
+    fmt,
+    medians,
+    ratio,
+    rounds_of,
+    target_note,
+    verdict,
+)
+from ckptfx.bench.overhead_split import (
+    KEEP_FREED_MEMORY,
+    bench_split,
+    bench_vjp256,
+    bench_vjp256_keeping_freed_memory,
+    split_variants,
+)
 from ckptfx.bench.variants import sac_policy
 
 __all__ = ["KEEP_FREED_MEMORY", "MATMULS", "PARTS", "TARGETS", "Block", "MLPBlock",

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import ckptfx
-import ckptfx.split.api as cx_split
+import ckptfx.split.passes as split_passes
 import ckptfx.split.weight_calls as weight_calls
 from ckptfx.bench.blocks import Block, MLPBlock, chain
 from ckptfx.bench.figures import fmt, medians, ratio, rounds_of, target_note
@@ -185,7 +185,10 @@ def split_variants(d: int = 64, hidden: int = 256, batch: int = 8, nblocks: int 
     """The split step's variants over ``nblocks`` small MLP blocks, each a step to call (what
     ``bench_split`` times and ``benchmarks/bench_instructions.py`` counts): ``split_steps``'
     and the floors."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
 
     blocks, x, g = split_inputs(d, hidden, batch, nblocks)
     steps = split_steps(blocks, x, g)
@@ -349,16 +352,18 @@ def bench_vjp256(rounds: int, d: int = 256, nblocks: int = 6, batch: int = 8,
         for p in params:
             p.grad = None
 
-    # dx-only replayed tensors dropped when dx ends, not at their read (split Rule 4)
-    split_late_drop = _switched(cx_split, "_early_drop_enabled", False, split)
+    # dx-only replayed tensors dropped when dx ends, not at their read (ckptfx.split.passes Rule 4)
+    split_late_drop = _switched(split_passes, "early_drop_enabled", False, split)
 
     def plain_fused() -> None:
         xr = x.detach().requires_grad_()
         torch.autograd.grad(plain(xr), [xr, *params], g)
 
     def plain_split() -> None:
-        from torch.distributed.pipelining._backward import (stage_backward_input,
-                                                            stage_backward_weight)
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
         xr = x.detach().requires_grad_()
         _, groups = stage_backward_input([plain(xr)], [g], [xr], iter(params))
         stage_backward_weight(iter(params), groups)

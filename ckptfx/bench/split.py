@@ -20,8 +20,8 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.utils.checkpoint as tcp
 
-from ckptfx.checkpoint import checkpoint as cx_checkpoint
-from ckptfx.kernel.session import clear_recompute_session, recompute_session_ctx
+from ckptfx import checkpoint as cx_checkpoint
+from ckptfx import clear_recompute_session, recompute_session_ctx
 
 __all__ = ["SplitCount", "count_split_replays"]
 

@@ -19,10 +19,10 @@ from typing import Any, Callable, Collection
 import torch
 import torch.utils.checkpoint as tcp
 
+from ckptfx import checkpoint as cx_checkpoint
+from ckptfx import checkpoint_policies, remat
 from ckptfx.bench.llama import LayerCall, plain_call
-from ckptfx.checkpoint import checkpoint as cx_checkpoint
-from ckptfx.policies.named import DOTS, checkpoint_policies
-from ckptfx.remat import remat
+from ckptfx.policies import DOTS
 
 __all__ = ["BUDGETS", "VARIANTS", "Variant", "available", "get", "register", "sac_policy"]
 

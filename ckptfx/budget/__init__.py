@@ -22,8 +22,9 @@ Rules
 
 2. A keep-set is scored by replaying, on the recording, exactly what the recorder
    (``ckptfx.recording``) does with it (``model._Model.score``): bytes are distinct storages
-   kept beyond the block's arguments; the cost is (recompute FLOPs, recomputed output elements), compared in that
-   order (most elementwise ops count 0 FLOPs; the elements break their ties).
+   kept beyond the block's arguments; the cost is (recompute FLOPs, recomputed output
+   elements), compared in that order (most elementwise ops count 0 FLOPs; the elements break
+   their ties).
 
 3. Candidates (``model.Frontier.from_recording``): nothing, everything,
    ``dots_saveable``'s set, two greedy chains, and what the solver proposes
@@ -49,14 +50,13 @@ Rules
    ``nothing_saveable``.
 """
 
+from ckptfx._public import report_home
 from ckptfx.budget.model import EXACT_UNITS, Frontier
 from ckptfx.budget.planner import BlockShare, ModelBudget, memory_budget_policies, spread
 from ckptfx.policies.budget_policy import MemoryBudget, memory_budget
 
 # Pickles of budget policies (a model saved with its blocks' policies) name this module.
-for _cls in (MemoryBudget, BlockShare, ModelBudget):
-    _cls.__module__ = __name__
-del _cls
+report_home(__name__, [MemoryBudget, BlockShare, ModelBudget, memory_budget])
 
 __all__ = ["EXACT_UNITS", "BlockShare", "Frontier", "MemoryBudget", "ModelBudget", "memory_budget",
            "memory_budget_policies", "spread"]

@@ -26,11 +26,10 @@ import itertools
 import math
 from typing import Any, Iterable, Protocol
 
-from ckptfx.budget.cut import MAX_CUTS, CutModel, Proof, prove
 from ckptfx._format import human_bytes
+from ckptfx.budget.cut import MAX_CUTS, CutModel, Proof, prove
 from ckptfx.policies.named import DOTS
 from ckptfx.recording.segment import Segment
-
 
 
 class Recording(Protocol):

@@ -14,18 +14,17 @@ import optree
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from ckptfx.policies.budget_policy import MemoryBudget
-from ckptfx.budget.model import Frontier, Note, Point
 from ckptfx._ops import op_info
-from ckptfx.recording.signature import per_function, signature
-from ckptfx.policies.tracer_stack import reporting
+from ckptfx.budget.model import Frontier, Note, Point
+from ckptfx.policies.budget_policy import MemoryBudget
 from ckptfx.policies.named import everything_saveable
 from ckptfx.policies.protocol import Decision
+from ckptfx.policies.tracer_stack import reporting
+from ckptfx.recording.signature import per_function, signature
 from ckptfx.recording.tracer import Tracer
 
 __all__ = ["BlockShare", "ModelBudget", "memory_budget_policies", "spread", "take_notes",
            "tracer_for"]
-
 
 
 def memory_budget_policies(blocks: Sequence[Any], memory_budget: float

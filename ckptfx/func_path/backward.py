@@ -1,6 +1,6 @@
 """The torch.func path's backward: ``RematFunction``, one replay, one gradient per use.
 
-``func`` (whose docstring states the path's Rules) routes a remat call's differentiable
+call.py (whose docstring states the path's Rules) routes a remat call's differentiable
 outputs through ``RematFunction`` at the level that differentiates it. Rules of this module:
 
 1. **One gradient per use (func_path/call.py's Rule 3).** ``find_uses`` lists the graph edges that
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ckptfx import _compat
-from ckptfx.kernel.frame import CheckpointError
 from ckptfx.func_path.block import FuncBlock, InjectMode
+from ckptfx.kernel.frame import CheckpointError
 
 __all__ = ["RematFunction", "find_uses"]
 

@@ -1,7 +1,7 @@
 """The torch.func path's block: one remat call as a function of a flat tensor tuple, and the
 dispatch modes that keep its values in the forward and hand them back in the replay.
 
-``func`` (whose docstring states the path's Rules) makes a ``FuncBlock`` per call and runs its
+call.py (whose docstring states the path's Rules) makes a ``FuncBlock`` per call and runs its
 forward under ``KeepMode``; the backward (``func_path.backward``) replays it under
 ``InjectMode``. Rules of this module:
 
@@ -31,10 +31,10 @@ from torch import nn
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from ckptfx import _compat
+from ckptfx._ops import op_info as _op_info
 from ckptfx.kernel.replay_env import ReplayEnv
 from ckptfx.policies.names import checkpoint_name
 from ckptfx.policies.protocol import Offload, Policy, call_policy
-from ckptfx._ops import op_info as _op_info
 
 __all__ = ["FuncBlock", "InjectMode", "KeepMode"]
 

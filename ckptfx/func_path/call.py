@@ -73,11 +73,11 @@ import torch
 from torch import nn
 
 from ckptfx import _compat
-from ckptfx.kernel.replay_env import ReplayEnv
-from ckptfx.kernel.frame import CheckpointError, tls
 from ckptfx.func_path.backward import RematFunction, find_uses
 from ckptfx.func_path.block import FuncBlock, KeepMode
-from ckptfx.policies.tracer_stack import tracer_stack as _trace_stack
+from ckptfx.kernel.frame import CheckpointError, tls
+from ckptfx.kernel.replay_env import ReplayEnv
+from ckptfx.policies.tracer_stack import tracer_stack
 
 __all__ = ["call_function_path"]
 
@@ -178,7 +178,7 @@ def _differentiated_call(block: FuncBlock, inputs: tuple[torch.Tensor, ...]
     block.env = ReplayEnv(inputs, True)
     block.input_tensors = inputs
     mode = KeepMode(block)
-    names = _trace_stack.tracers
+    names = tracer_stack.tracers
     names.append(mode)  # checkpoint_name in the block reaches mode.name
     try:
         with mode:

@@ -43,7 +43,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckptfx import _compat
 from ckptfx._ops import op_info
-from ckptfx.kernel.frame import NULL_CONTEXT as NULL, CheckpointError
+from ckptfx.kernel.frame import NULL_CONTEXT as NULL
+from ckptfx.kernel.frame import CheckpointError
 
 __all__ = ["Recorder", "Replayer", "Watch", "is_collective", "register_collective",
            "replay_context", "watch_needed"]

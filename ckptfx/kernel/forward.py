@@ -2,9 +2,10 @@
 
 ``run_checkpointed`` makes a ``Frame`` (frame.py) for the call, lists it with the handle
 collector (handles.py) and the refill scope (refill.py) when they are open, and runs the
-function under the frame's saved-tensor hooks and the collectives log (collectives.py). The
-front ends (``ckptfx.checkpoint``, ``checkpoint_wrapper``, ``remat``'s unrecorded calls and
-the compile lowering) check their options and call it; it checks nothing itself.
+function under the frame's saved-tensor hooks and the collectives log (collectives.py).
+``ckptfx.checkpoint``, ``checkpoint_wrapper`` and the compile lowering check their options
+and call it; it checks nothing itself. (``remat`` makes its frames itself: a recorded call
+pushes the recorder's hooks, not these.)
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ from torch.utils.checkpoint import noop_context_fn
 from ckptfx import _compat
 from ckptfx.kernel.collectives import forward_context
 from ckptfx.kernel.debug import DebugLogs
-from ckptfx.kernel.frame import (NULL_CONTEXT, Frame, refuse_new_frame_in_scheduled_replay, tls,
-                                 unpack_hook)
+from ckptfx.kernel.frame import (
+    NULL_CONTEXT,
+    Frame,
+    refuse_new_frame_in_scheduled_replay,
+    tls,
+    unpack_hook,
+)
 from ckptfx.kernel.function_replay import rerun_function
 from ckptfx.kernel.handles import collect, uncollect
 from ckptfx.kernel.refill import first_node, plain_saves, scope_on_top

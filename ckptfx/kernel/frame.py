@@ -105,8 +105,8 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from ckptfx import _compat
-from ckptfx.kernel.replay_env import ReplayEnv
 from ckptfx.kernel.last_op import last_op_writes_nothing
+from ckptfx.kernel.replay_env import ReplayEnv
 
 __all__ = ["CheckpointError", "Frame", "Holder", "Reads", "unpack_hook", "tls"]
 

@@ -20,7 +20,7 @@ import torch
 
 from ckptfx import _compat
 
-__all__ = ["add_fsdp_states", "before_prefire", "param_groups", "unshard_fsdp_modules",
+__all__ = ["add_fsdp_states", "before_prefire", "param_groups", "unshard", "unshard_fsdp_modules",
            "wrapper_classes"]
 
 
@@ -46,6 +46,12 @@ def param_groups(states: list[Any]) -> list[Any]:
     return [g for s in states for g in _compat.fsdp_param_groups(s)]
 
 
+def unshard(states: list[Any]) -> None:
+    """Unshard every parameter group of ``states``, so a replay reads full parameters."""
+    for g in param_groups(states):
+        _compat.fsdp_unshard(g)
+
+
 def unshard_fsdp_modules(module: Any) -> None:
     """Unshard every FSDP2 parameter group in ``module``'s tree (a pipeline stage's prefire)."""
     if not _compat.distributed_initialized():
@@ -55,8 +61,7 @@ def unshard_fsdp_modules(module: Any) -> None:
     for m in module.modules():
         if isinstance(m, fsdp_cls):
             add_fsdp_states(states, m)
-    for g in param_groups(states):
-        _compat.fsdp_unshard(g)
+    unshard(states)
 
 
 def before_prefire(frame: Any) -> None:

@@ -14,10 +14,17 @@ from typing import Any
 
 import torch
 
-from ckptfx.kernel import collectives
 from ckptfx import _compat
 from ckptfx._ops import op_info
-from ckptfx.kernel.frame import DEBUG_TIP, NULL_CONTEXT, CheckpointError, Frame, Replay, tls
+from ckptfx.kernel import collectives
+from ckptfx.kernel.frame import (
+    DEBUG_TIP,
+    NULL_CONTEXT,
+    CheckpointError,
+    Frame,
+    Replay,
+    tls,
+)
 
 __all__ = ["rerun_function"]
 

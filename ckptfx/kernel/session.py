@@ -42,9 +42,13 @@ from typing import Any, Callable, Hashable
 import torch
 
 from ckptfx import _compat
-from ckptfx.kernel.handles import RecomputeHandle, recompute_handle_collector_ctx, used_twice
-from ckptfx.kernel.fsdp import before_prefire
 from ckptfx.kernel.frame import CheckpointError, Frame, tls
+from ckptfx.kernel.fsdp import before_prefire
+from ckptfx.kernel.handles import (
+    RecomputeHandle,
+    recompute_handle_collector_ctx,
+    used_twice,
+)
 
 __all__ = [
     "RecomputeHandle",
@@ -97,7 +101,7 @@ class Activation:
         self.log: list | None = None
         # With the log, optionally the nodes the weight pass will execute: a replayed tensor
         # that a torch node outside them reads is dropped at that read, not when dx ends,
-        # so dx frees it as a fused backward would (split Rule 4).
+        # so dx frees it as a fused backward would (``ckptfx.split.passes`` Rule 4).
         self.drop_unless: set | None = None
 
     def record(self, log: list, drop_unless: set | None = None) -> None:

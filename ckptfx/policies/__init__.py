@@ -27,6 +27,7 @@ Rules:
    names a block never uses warns once (checks.py Rule 2).
 """
 
+from ckptfx._public import report_home
 from ckptfx.policies.budget_policy import MemoryBudget, memory_budget
 from ckptfx.policies.checks import NameCheck, UnusedNameWarning
 from ckptfx.policies.named import (
@@ -65,25 +66,21 @@ from ckptfx.policies.protocol import (
 
 # Back-compat: helpers this module held when ckptfx was one flat folder, for imports written
 # then. New code imports them from their homes (checks.py, named.py, names.py, protocol.py).
-from ckptfx.policies.checks import (  # noqa: E402
-    check_policy,
+from ckptfx.policies.checks import (
     describe_policy,
     is_policy_like,
     name_check,
     positional_policy_message,
     shared_name_check,
 )
-from ckptfx.policies.named import checkpoint_function_error, unpartial  # noqa: E402
-from ckptfx.policies.names import NameScope  # noqa: E402
-from ckptfx.policies.protocol import referenced_names  # noqa: E402
-
-# Rule 2 (the namespace's class too: ``checkpoint_policies`` is pickled by reference to it).
-for _cls in (Offload, Policy, DotsSaveable, EverythingSaveable, NothingSaveable,
-             OffloadDotWithNoBatchDims, SaveAndOffloadOnlyTheseNames, SaveAnyNamesButThese,
-             SaveFromBothPolicies, SaveOnlyTheseNames, NameCheck, UnusedNameWarning,
-             type(checkpoint_policies)):
-    _cls.__module__ = __name__
-del _cls
+from ckptfx.policies.named import (
+    _PolicyNamespace,  # checkpoint_policies's class: a pickled namespace names it here (Rule 2)
+    check_policy,
+    checkpoint_function_error,
+    unpartial,
+)
+from ckptfx.policies.names import NameScope
+from ckptfx.policies.protocol import referenced_names
 
 __all__ = [
     "Offload",
@@ -93,3 +90,12 @@ __all__ = [
     "checkpoint_policies",
     "decide",
 ]
+
+# Rule 2 (the namespace's class too: a pickled ``checkpoint_policies`` names it).
+report_home(__name__, [
+    Offload, Policy, DotsSaveable, EverythingSaveable, NothingSaveable, OffloadDotWithNoBatchDims,
+    SaveAndOffloadOnlyTheseNames, SaveAnyNamesButThese, SaveFromBothPolicies, SaveOnlyTheseNames,
+    NameCheck, UnusedNameWarning, _PolicyNamespace,
+    # the factories too: a pickled ``checkpoint_policies`` holds them
+    save_only_these_names, save_any_names_but_these, save_from_both_policies,
+    save_and_offload_only_these_names, offload_dot_with_no_batch_dims])

@@ -20,31 +20,23 @@ from typing import Any, Callable
 from torch import nn
 
 from ckptfx._user_stack import user_stacklevel
-
-from ckptfx.policies.names import NameScope, name_scopes
 from ckptfx.policies.named import (
-    unpartial,
     SaveAndOffloadOnlyTheseNames,
     SaveAnyNamesButThese,
     SaveFromBothPolicies,
     SaveOnlyTheseNames,
-    check_policy_value,
-    factory_call,
     checkpoint_policies,
+    factory_call,
+    unpartial,
 )
+from ckptfx.policies.names import NameScope, name_scopes
 from ckptfx.policies.protocol import (
     Policy,
     referenced_names,
 )
 
-__all__ = ["NameCheck", "UnusedNameWarning", "check_policy", "describe_policy", "is_policy_like",
+__all__ = ["NameCheck", "UnusedNameWarning", "describe_policy", "is_policy_like",
            "name_check", "positional_policy_message", "shared_name_check"]
-
-
-def check_policy(p: Any, arg: str = "policy") -> Callable[..., Any]:
-    """Validate a policy argument (used by ``remat``): ``TypeError`` for an un-called
-    factory, a policy class, or something not callable."""
-    return check_policy_value(p, arg)
 
 
 def is_policy_like(p: Any) -> bool:

@@ -43,8 +43,8 @@ from ckptfx.policies.protocol import (
     Decision,
     Offload,
     Policy,
-    name_of,
     call_policy,
+    name_of,
     referenced_names,
 )
 
@@ -175,8 +175,8 @@ class SaveFromBothPolicies(Policy):
     second: Callable[..., Any]
 
     def __post_init__(self) -> None:
-        check_policy_value(self.first, "policy_1")
-        check_policy_value(self.second, "policy_2")
+        check_policy(self.first, "policy_1")
+        check_policy(self.second, "policy_2")
 
     def referenced_names(self) -> frozenset[str]:
         return referenced_names(self.first) | referenced_names(self.second)
@@ -292,7 +292,7 @@ def _star_names(names: tuple[Any, ...], where: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def check_policy_value(p: Any, arg: str) -> Callable[..., Any]:
+def check_policy(p: Any, arg: str = "policy") -> Callable[..., Any]:
     """``p`` if it is a policy; otherwise a ``TypeError`` saying what to write instead."""
     hint = factory_call(p)
     if hint is not None:
@@ -430,8 +430,8 @@ def save_from_both_policies(policy_1: Callable[..., Any], policy_2: Callable[...
         policy = cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
                                             cp.save_only_these_names("attn"))
     """
-    return SaveFromBothPolicies(check_policy_value(policy_1, "policy_1"),
-                                check_policy_value(policy_2, "policy_2"))
+    return SaveFromBothPolicies(check_policy(policy_1, "policy_1"),
+                                check_policy(policy_2, "policy_2"))
 
 
 def save_and_offload_only_these_names(

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from ckptfx.policies import name_op
-from ckptfx.policies.tracer_stack import active_tracer, tracer_stack as _stack
+from ckptfx.policies.tracer_stack import active_tracer
+from ckptfx.policies.tracer_stack import tracer_stack as _stack
 
 __all__ = ["NameScope", "checkpoint_name"]
 

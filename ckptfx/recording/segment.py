@@ -30,8 +30,8 @@ import optree
 import torch
 
 from ckptfx._ops import op_info as _op_info
-from ckptfx.kernel.function_replay import rerun_function
 from ckptfx.kernel.frame import CheckpointError, Frame, Replay
+from ckptfx.kernel.function_replay import rerun_function
 
 __all__ = ["Segment", "check_outside"]
 

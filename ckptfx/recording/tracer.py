@@ -32,17 +32,26 @@ from typing import Any, Hashable
 import torch
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
-from ckptfx.kernel import collectives
 from ckptfx import _compat
+from ckptfx._ops import OP_INFO
+from ckptfx._ops import op_info as _op_info
 from ckptfx._user_stack import user_call_site
-from ckptfx._ops import OP_INFO, op_info as _op_info
+from ckptfx.kernel import collectives
 from ckptfx.kernel.frame import Frame
-from ckptfx.recording.packs import (PackSide, residual_unpack_hook)
 from ckptfx.policies.names import checkpoint_name
 from ckptfx.policies.protocol import call_policy
-from ckptfx.recording.segment import (BLOCK_START, CPU_DEFAULT, Segment, flatten_tree, RecordedOp,
-                      output_leaves, rng_states)
-from ckptfx.policies.tracer_stack import active_tracer, reporting, tracer_stack as _stack
+from ckptfx.policies.tracer_stack import active_tracer, reporting
+from ckptfx.policies.tracer_stack import tracer_stack as _stack
+from ckptfx.recording.packs import PackSide, residual_unpack_hook
+from ckptfx.recording.segment import (
+    BLOCK_START,
+    CPU_DEFAULT,
+    RecordedOp,
+    Segment,
+    flatten_tree,
+    output_leaves,
+    rng_states,
+)
 
 __all__ = ["Segment", "Tracer", "active_tracer", "reporting", "residual_unpack_hook"]
 

@@ -72,20 +72,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ckptfx.kernel import collectives
 from ckptfx import _compat
 from ckptfx._ops import OP_INFO, op_info
-from ckptfx.recording.signature import flat_signature, per_function, signature
-from ckptfx.policies.tracer_stack import tracer_stack
-from ckptfx.policies.budget_policy import MemoryBudget
-from ckptfx.kernel.function_replay import rerun_function
+from ckptfx.kernel import collectives
 from ckptfx.kernel.frame import CheckpointError, Frame, Replay, tls
+from ckptfx.kernel.function_replay import rerun_function
+from ckptfx.policies.budget_policy import MemoryBudget
+from ckptfx.policies.tracer_stack import tracer_stack
 from ckptfx.recording.segment import check_outside
+from ckptfx.recording.signature import flat_signature, per_function, signature
 
 __all__ = ["Plan", "keeps_nothing", "plan_for"]  # for remat.py
 
 # Caches of what first calls learnt (Rule 2): fun -> {signature: entry}, kept with the
-# function, or with the module a bound method or partial belongs to (_signature Rule 2).
+# function, or with the module a bound method or partial belongs to (signature.py Rule 2).
 _by_function: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
 _by_owner: "weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, Any]]]" = (
     weakref.WeakKeyDictionary())

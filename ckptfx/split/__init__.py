@@ -13,18 +13,19 @@ the compile lowering):
   would);
 - ``weight_calls.py``: how the weight pass calls the engine (per group, or one backward);
 - ``weight_pass.py``: dw itself, one ``autograd.grad`` per weight group;
+- ``passes.py``: ``Split``, one split's forward, prefire, dx and dw, in their one order;
 - ``api.py``: ``vjp_split`` and ``grad_split`` (re-exported here: ``ckptfx.split.vjp_split``).
 
-Rules (api.py's note gives the detail):
+Rules (passes.py's note gives the detail):
 
 1. **One forward, one replay**: the forward runs when the split is made; dx registers its
-   blocks to the session and dw reads the same replays (api.py Rules 1-3).
+   blocks to the session and dw reads the same replays (passes.py Rules 1-3).
 2. **dw is the last consumer**: it clears the session in a ``finally``, also when it raises
-   (api.py Rule 5); any other order of calls raises before anything is computed (Rule 6).
+   (passes.py Rule 5); any other order of calls raises before anything is computed (Rule 6).
 3. **Data parallel as the wrapper would**: FSDP2 and DDP gradients are reduced bitwise as in
    their own backward, or the split refuses before writing any (data_parallel.py Rule 3).
 """
 
-from ckptfx.split.api import grad_split, vjp_split
+from ckptfx.split.api import SplitInputFn, SplitWeightFn, grad_split, vjp_split
 
-__all__ = ["grad_split", "vjp_split"]
+__all__ = ["SplitInputFn", "SplitWeightFn", "grad_split", "vjp_split"]

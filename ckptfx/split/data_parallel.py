@@ -48,9 +48,9 @@ from typing import Any, Iterator
 import torch
 
 from ckptfx import _compat
-from ckptfx.split.primals import weight_slot
 from ckptfx.kernel.frame import CheckpointError
-from ckptfx.kernel.fsdp import add_fsdp_states, param_groups, wrapper_classes
+from ckptfx.kernel.fsdp import add_fsdp_states, param_groups, unshard, wrapper_classes
+from ckptfx.split.primals import weight_slot
 
 __all__ = ["DataParallel", "observing"]
 
@@ -148,8 +148,7 @@ class DataParallel:
 
     def before_replay(self) -> None:
         """Unshard every observed FSDP group, so a replay reads full parameters."""
-        for g in self._groups():
-            _compat.fsdp_unshard(g)
+        unshard(self.fsdp_states)
 
     def hold(self) -> None:
         """From dx to the end of dw: no reduction, no resharding (idempotent)."""

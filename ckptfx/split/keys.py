@@ -18,7 +18,7 @@ Rules
    (made, not prefired, dx not run) abandons that split all the same (``_note_clear``, run by
    session.py at every clear): there is no session state that could say so.
 
-A claimant is a ``_Split`` (api.py); this module reads its ``state`` ("forward" until dx
+A claimant is a ``Split`` (passes.py); this module reads its ``state`` ("forward" until dx
 runs, "done" once released), ``session_obj`` (the ``Session`` once a block joined it) and
 ``abandoned()``, and sets ``cleared_early``.
 """

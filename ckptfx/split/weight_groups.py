@@ -12,7 +12,7 @@ Rules
    unpack hook logs which autograd node read each replayed tensor, and when dx ends the tensors
    read only by nodes dw will not execute (activation outputs, softmax probabilities, dropout
    masks) are dropped from the session's replay (``weight_pass_nodes``, ``trim_session``;
-   ``ckptfx.split`` Rule 4, ``ckptfx.pipelining``).
+   ``ckptfx.split.passes`` Rule 4, ``ckptfx.pipelining``).
 
 The graph analysis follows the technique of ``torch.distributed.pipelining``'s
 ``stage_backward_input`` / ``stage_backward_weight``; the code is ckptfx's own.

@@ -23,9 +23,9 @@ from typing import Any, Hashable, cast
 import torch
 from torch.autograd.graph import GradientEdge
 
+from ckptfx.kernel.session import recompute_session_ctx
 from ckptfx.split import data_parallel
 from ckptfx.split.weight_groups import Node, WeightGroup
-from ckptfx.kernel.session import recompute_session_ctx
 
 __all__ = ["weight_pass"]
 
