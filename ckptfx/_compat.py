@@ -108,6 +108,36 @@ current_graph_task_id: Callable[[], int] = _require(torch._C, "_current_graph_ta
 get_graph_exec_group: Callable[[], Any] = _require(torch._C, "_get_graph_exec_group")
 current_autograd_node: Callable[[], Any] = _require(torch._C, "_current_autograd_node")
 
+# State autograd carries into the threads that run a backward. A GraphTask captures its
+# caller's thread-local state when it is made (grad mode, autocast, dispatch keys, and a map of
+# Python objects), and each thread that runs its nodes, autograd's device threads included,
+# runs under that copy; a threading.local or a ContextVar set by the caller is not carried.
+# A key stashed in that map while a backward starts is seen by every thread of it.
+_stash_obj: Callable[[str, Any], None] = _require(torch._C, "_stash_obj_in_tls")
+_stashed_obj: Callable[[str], Any] = _require(torch._C, "_get_obj_in_tls")
+has_carried: Callable[[str], bool] = _require(torch._C, "_is_key_in_tls")
+_remove_obj: Callable[[str], None] = _require(torch._C, "_remove_obj_from_tls")
+
+
+def carry(key: str, obj: Any) -> None:
+    """Stash ``obj`` under ``key`` in the state autograd carries into its threads, until
+    ``uncarry(key)`` (which must come before this thread exits: the entry needs the GIL to
+    be freed)."""
+    _stash_obj(key, obj)
+
+
+def carried(key: str) -> Any:
+    """What ``carry`` stashed under ``key`` on this thread, or on the thread whose backward
+    this thread runs now; None if nothing is."""
+    return _stashed_obj(key) if has_carried(key) else None
+
+
+def uncarry(key: str) -> None:
+    """Remove ``key`` (erased, not set to None: see ``carry``)."""
+    if has_carried(key):
+        _remove_obj(key)
+
+
 # The sequence number autograd gives the next node it makes on this thread. Every tensor an
 # op saves is packed after the op's node was made and before the next one, so all packs of
 # one op read the same number (frame.py, Rule 6).

@@ -1,4 +1,5 @@
-"""Shared test helpers: counted blocks, the three checkpoint variants, bitwise comparison.
+"""Shared test helpers: counted blocks, the three checkpoint variants, bitwise comparison, and
+the devices tests run on.
 
 Keep this small and generic; topic-specific helpers belong in the test file that uses them.
 """
@@ -6,11 +7,44 @@ Keep this small and generic; topic-specific helpers belong in the test file that
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable, Iterator, Sequence
 
 import optree
 import pytest
 import torch
+
+# The accelerator under test, registered before anything runs a backward: autograd sizes its
+# pool of device threads at the first backward of the process (fake_device/__init__.py). Where
+# a real accelerator is present (the GPU check, tests/device_check.py) it is the one tested and
+# the fake one stays out; CKPTFX_FAKE_DEVICE=0 keeps it out too.
+import fake_device  # noqa: E402  (tests/ is on sys.path, as for models.py)
+
+if torch.accelerator.current_accelerator() is None and os.environ.get("CKPTFX_FAKE_DEVICE") != "0":
+    fake_device.register()
+ACCELERATOR: torch.device | None = torch.accelerator.current_accelerator()
+NO_ACCELERATOR_REASON = (fake_device.UNAVAILABLE if fake_device.UNAVAILABLE is not None
+                         else "no accelerator (CKPTFX_FAKE_DEVICE=0)")
+
+# Where device-sensitive tests run: the CPU, where autograd runs the backward on the caller's
+# thread, and the accelerator, where it runs on autograd's device threads (skipped, with the
+# reason, where there is none).
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        ACCELERATOR.type if ACCELERATOR is not None else "accelerator",
+        id=ACCELERATOR.type if ACCELERATOR is not None else "accelerator",
+        marks=pytest.mark.skipif(ACCELERATOR is None, reason=NO_ACCELERATOR_REASON),
+    ),
+]
+needs_accelerator = pytest.mark.skipif(ACCELERATOR is None, reason=NO_ACCELERATOR_REASON)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Each device-sensitive test runs on the CPU and on the accelerator under test (device
+    index 0; the fake accelerator has two devices)."""
+    return torch.device(request.param, 0) if request.param != "cpu" else torch.device("cpu")
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 

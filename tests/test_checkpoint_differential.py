@@ -1,16 +1,19 @@
 """Differential suite: each block under no checkpoint, torch's checkpoint and ckptfx.
 
-For every block, in fp32 and under CPU bf16 autocast (backward run outside autocast):
-gradients of ckptfx are bitwise equal to no checkpoint (``torch.equal``), the block runs as
-many times as under torch's non-reentrant checkpoint, and the backward leaves the caller's
-RNG state where the forward left it. Where torch 2.13 is wrong (``nn.RReLU`` as the last op
-under early_stop) the test says so and checks that ckptfx is right.
+For every block, on the CPU and on the accelerator under test (``device``), in fp32 and
+under bf16 autocast on that device (backward run outside autocast): gradients of ckptfx are
+bitwise equal to no checkpoint (``torch.equal``), the block runs as many times as under
+torch's non-reentrant checkpoint, and the backward leaves the caller's RNG state (the CPU
+generator's and the device's) where the forward left it. Where torch 2.13 is wrong
+(``nn.RReLU`` as the last op under early_stop) the test says so and checks that ckptfx is
+right.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import optree
 import pytest
@@ -20,8 +23,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import ckptfx
-from conftest import VARIANTS, Counted, assert_bitwise, checkpoint_fn, grads, maybe_autocast, \
-    run_variant
+from conftest import VARIANTS, Counted, assert_bitwise, checkpoint_fn, grads, run_variant
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -30,57 +32,80 @@ D = 8  # feature size: small on purpose
 
 # -- blocks --------------------------------------------------------------------------------
 # Each builder gets the checkpoint callable of the variant (for blocks that checkpoint inside
-# themselves) and returns (block, args, kwargs, leaves). It is called under a fixed seed, so
-# every variant sees the same parameters and inputs.
+# themselves) and the device, and returns (block, args, kwargs, leaves). It is called under a
+# fixed seed, so every variant sees the same parameters and inputs.
 
 
-def _x(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, requires_grad=True)
+def _x(*shape: int, device: torch.device) -> torch.Tensor:
+    """A leaf on ``device``, drawn on the CPU (the same numbers on every device)."""
+    return torch.randn(*shape).to(device).requires_grad_()
 
 
-def build_mlp(ck):
-    mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
-    x = _x(4, D)
+@contextlib.contextmanager
+def maybe_autocast(enabled: bool, device: torch.device) -> Iterator[None]:
+    """bf16 autocast on ``device`` when ``enabled``, else nothing."""
+    if enabled:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            yield
+    else:
+        yield
+
+
+def _rng_state(device: torch.device) -> list[torch.Tensor]:
+    """The caller's generator states: the CPU's, and the device's where it is not the CPU."""
+    states = [torch.get_rng_state()]
+    if device.type != "cpu":
+        states.append(torch.get_device_module(device.type).get_rng_state(device.index))
+    return states
+
+
+def _rng_moved(before: list[torch.Tensor], device: torch.device) -> bool:
+    return any(not torch.equal(a, b) for a, b in zip(before, _rng_state(device)))
+
+
+def build_mlp(ck, device):
+    mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)).to(device)
+    x = _x(4, D, device=device)
     return mlp, (x,), {}, [x, *mlp.parameters()]
 
 
-def build_attention(ck):
+def build_attention(ck, device):
     layer = nn.TransformerEncoderLayer(D, nhead=2, dim_feedforward=2 * D, dropout=0.1,
-                                       batch_first=True)
+                                       batch_first=True).to(device)
     layer.train()
-    x = _x(2, 5, D)
+    x = _x(2, 5, D, device=device)
     return layer, (x,), {}, [x, *layer.parameters()]
 
 
-def build_layer_norm(ck):
-    w, b = _x(D), _x(D)
-    x = _x(4, D)
+def build_layer_norm(ck, device):
+    w, b = _x(D, device=device), _x(D, device=device)
+    x = _x(4, D, device=device)
     return (lambda x: F.layer_norm(x * 2, (D,), w, b).tanh()), (x,), {}, [x, w, b]
 
 
-def build_dropout(ck):
-    w = _x(D)
-    x = _x(4, D)
+def build_dropout(ck, device):
+    w = _x(D, device=device)
+    x = _x(4, D, device=device)
     return (lambda x: F.dropout(x.sin(), 0.5, training=True) * w), (x,), {}, [x, w]
 
 
-def build_rrelu_mid(ck):
-    act, lin = nn.RReLU(0.1, 0.3), nn.Linear(D, D)
-    x = _x(4, D)
+def build_rrelu_mid(ck, device):
+    act, lin = nn.RReLU(0.1, 0.3), nn.Linear(D, D).to(device)
+    x = _x(4, D, device=device)
     return (lambda x: lin(act(x * 1.5))), (x,), {}, [x, *lin.parameters()]
 
 
-def build_rrelu_last(ck):
+def build_rrelu_last(ck, device):
     # rrelu_with_noise saves its noise buffer before filling it: an early stop at the pack of
     # that buffer (torch 2.13) hands out an unfilled buffer.
-    lin, act = nn.Linear(D, D), nn.RReLU(0.1, 0.3)
-    x = _x(4, D)
+    lin, act = nn.Linear(D, D).to(device), nn.RReLU(0.1, 0.3)
+    x = _x(4, D, device=device)
     return (lambda x: act(lin(x))), (x,), {}, [x, *lin.parameters()]
 
 
-def build_inplace(ck):
-    w = _x(D)
-    x = _x(4, D)
+def build_inplace(ck, device):
+    w = _x(D, device=device)
+    x = _x(4, D, device=device)
 
     def block(x):
         y = x * 2
@@ -92,9 +117,9 @@ def build_inplace(ck):
     return block, (x,), {}, [x, w]
 
 
-def build_views(ck):
-    w = _x(D, D)
-    x = _x(4, D)
+def build_views(ck, device):
+    w = _x(D, D, device=device)
+    x = _x(4, D, device=device)
 
     def block(x):
         y = x.t()[1:].reshape(-1)  # non-contiguous view, then a copy
@@ -104,22 +129,22 @@ def build_views(ck):
     return block, (x,), {}, [x, w]
 
 
-def build_multi_out(ck):
-    w = _x(D)
-    x, y = _x(4, D), _x(4, D)
+def build_multi_out(ck, device):
+    w = _x(D, device=device)
+    x, y = _x(4, D, device=device), _x(4, D, device=device)
     return (lambda x, y: ((x * w).sin(), 3, (y.cos() * x, "tag"), None)), (x, y), {}, [x, y, w]
 
 
-def build_dict_out(ck):
-    w = _x(D)
-    x = _x(4, D)
+def build_dict_out(ck, device):
+    w = _x(D, device=device)
+    x = _x(4, D, device=device)
     return (lambda x: {"a": (x * w).tanh(), "b": [x.exp(), {"c": x.sigmoid() * w}],
                        "n": 1.5}), (x,), {}, [x, w]
 
 
-def build_kwargs(ck):
-    w, bias = _x(D), _x(D)
-    x = _x(4, D)
+def build_kwargs(ck, device):
+    w, bias = _x(D, device=device), _x(D, device=device)
+    x = _x(4, D, device=device)
 
     def block(x, *, scale, bias, mode="sin"):
         y = (x * w * scale).sin() if mode == "sin" else x.cos()
@@ -128,9 +153,9 @@ def build_kwargs(ck):
     return block, (x,), {"scale": 0.5, "bias": bias, "mode": "sin"}, [x, w, bias]
 
 
-def build_backward_inside(ck):
-    w = _x(D)
-    x = _x(4, D)
+def build_backward_inside(ck, device):
+    w = _x(D, device=device)
+    x = _x(4, D, device=device)
 
     def block(x):
         # A gradient taken inside the block: the block's own graph is run backward during
@@ -158,38 +183,40 @@ CASES: dict[str, Callable[..., Any]] = {
 }
 
 
-def _loss(out: Any) -> torch.Tensor:
-    """A fixed random projection of every tensor in ``out`` (a pytree), summed.
+def _loss(out: Any, device: torch.device) -> torch.Tensor:
+    """A fixed random projection of every tensor in ``out`` (a pytree), summed on ``device``.
 
-    The cotangents come from a private generator, so the caller's RNG does not move.
+    The cotangents come from a private CPU generator (the same numbers on every device), so
+    the caller's RNG does not move.
     """
     gen = torch.Generator().manual_seed(123)
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     for leaf in optree.tree_leaves(out, none_is_leaf=False):
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            total = total + (leaf.float() * torch.randn(leaf.shape, generator=gen)).sum()
+            cotangent = torch.randn(leaf.shape, generator=gen).to(device)
+            total = total + (leaf.float() * cotangent).sum()
     return total
 
 
-def run_case(name: str, variant: str, autocast: bool, **options: Any):
+def run_case(name: str, variant: str, autocast: bool, device: torch.device, **options: Any):
     """Forward + backward of one case; returns (grads, out, block calls, rng moved?)."""
     torch.manual_seed(0)
-    fn, args, kwargs, leaves = CASES[name](checkpoint_fn(variant))
+    fn, args, kwargs, leaves = CASES[name](checkpoint_fn(variant), device)
     block = Counted(fn)
-    with maybe_autocast(autocast):
+    with maybe_autocast(autocast, device):
         out = run_variant(variant, block, *args, **kwargs,
                           **{f"ckpt_{k}": v for k, v in options.items()})
-        loss = _loss(out)
-    rng_after_forward = torch.get_rng_state()
+        loss = _loss(out, device)
+    rng_after_forward = _rng_state(device)
     loss.backward()  # outside autocast, as in a training loop
-    rng_moved = not torch.equal(rng_after_forward, torch.get_rng_state())
+    rng_moved = _rng_moved(rng_after_forward, device)
     return grads(leaves), out, block.calls, rng_moved
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_differential(name: str, autocast: bool) -> None:
-    results = {v: run_case(name, v, autocast) for v in VARIANTS}
+def test_differential(name: str, autocast: bool, device: torch.device) -> None:
+    results = {v: run_case(name, v, autocast, device) for v in VARIANTS}
     g_plain, out_plain, calls_plain, _ = results["plain"]
     g_ck, out_ck, calls_ck, rng_moved_ck = results["ckptfx"]
     g_torch, _, calls_torch, rng_moved_torch = results["torch"]
@@ -216,27 +243,29 @@ def test_differential(name: str, autocast: bool) -> None:
 
 @pytest.mark.parametrize("early_stop", [True, False])
 @pytest.mark.parametrize("name", ["rrelu_last", "dropout", "inplace"])
-def test_early_stop_never_changes_gradients(name: str, early_stop: bool) -> None:
-    g_plain = run_case(name, "plain", False)[0]
-    g_ck, _, calls, _ = run_case(name, "ckptfx", False, early_stop=early_stop)
+def test_early_stop_never_changes_gradients(name: str, early_stop: bool,
+                                            device: torch.device) -> None:
+    g_plain = run_case(name, "plain", False, device)[0]
+    g_ck, _, calls, _ = run_case(name, "ckptfx", False, device, early_stop=early_stop)
     assert_bitwise(g_ck, g_plain)
     assert calls == 2
 
 
 @pytest.mark.parametrize("last", ["linear", "rrelu"])
 def test_early_stop_runs_the_ops_torch_runs_unless_the_last_op_fills_a_saved_buffer(
-        last: str) -> None:
+        last: str, device: torch.device) -> None:
     """The replay stops where torch's does (in the pack of the last saved tensor, so the
     final addmm is skipped), except when that op writes a tensor it saved: rrelu fills its
     saved noise buffer after packing it, and ckptfx lets it finish (torch does not)."""
     torch.manual_seed(0)
-    lin1, lin2, act = nn.Linear(D, D), nn.Linear(D, D), nn.RReLU(0.1, 0.3)
+    lin1, lin2 = nn.Linear(D, D).to(device), nn.Linear(D, D).to(device)
+    act = nn.RReLU(0.1, 0.3)
 
     def block(x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(lin1(x))
         return lin2(h) if last == "linear" else act(h)
 
-    x = _x(3, D)
+    x = _x(3, D, device=device)
     torch.manual_seed(1)
     g_plain = torch.autograd.grad(block(x).sum(), [x, *lin1.parameters()])
     replayed = {}
@@ -261,11 +290,11 @@ def test_early_stop_runs_the_ops_torch_runs_unless_the_last_op_fills_a_saved_buf
 # -- nested checkpoints --------------------------------------------------------------------
 
 
-def _nested_run(variant: str, autocast: bool):
+def _nested_run(variant: str, autocast: bool, device: torch.device):
     torch.manual_seed(0)
     ck = checkpoint_fn(variant)
-    w = _x(D)
-    x = _x(4, D)
+    w = _x(D, device=device)
+    x = _x(4, D, device=device)
     inner = Counted(lambda h: F.dropout(h.sin() * w, 0.3, training=True).cos())
 
     def outer_fn(x):
@@ -273,17 +302,17 @@ def _nested_run(variant: str, autocast: bool):
         return ck(inner, h).exp() * h
 
     outer = Counted(outer_fn)
-    with maybe_autocast(autocast):
-        loss = _loss(ck(outer, x))
+    with maybe_autocast(autocast, device):
+        loss = _loss(ck(outer, x), device)
     loss.backward()
     return grads([x, w]), outer.calls, inner.calls
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
-def test_nested_checkpoints(autocast: bool) -> None:
-    g_plain, *_ = _nested_run("plain", autocast)
-    g_torch, outer_t, inner_t = _nested_run("torch", autocast)
-    g_ck, outer_c, inner_c = _nested_run("ckptfx", autocast)
+def test_nested_checkpoints(autocast: bool, device: torch.device) -> None:
+    g_plain, *_ = _nested_run("plain", autocast, device)
+    g_torch, outer_t, inner_t = _nested_run("torch", autocast, device)
+    g_ck, outer_c, inner_c = _nested_run("ckptfx", autocast, device)
     assert_bitwise(g_ck, g_plain)
     assert_bitwise(g_torch, g_plain, "torch's gradient")
     assert (outer_t, inner_t) == (2, 3)  # the reference, measured
@@ -325,17 +354,17 @@ class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _sac_run(variant: str, policy: Any, autocast: bool):
+def _sac_run(variant: str, policy: Any, autocast: bool, device: torch.device):
     torch.manual_seed(0)
-    lin1, lin2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-    x = _x(4, D)
+    lin1, lin2 = nn.Linear(D, 2 * D).to(device), nn.Linear(2 * D, D).to(device)
+    x = _x(4, D, device=device)
     block = Counted(lambda x: lin2(F.dropout(lin1(x).sin(), 0.2, training=True)).relu())
     opts = {}
     if policy is not None:
         opts["ckpt_context_fn"] = functools.partial(
             torch_checkpoint.create_selective_checkpoint_contexts, policy)
-    with maybe_autocast(autocast):
-        loss = _loss(run_variant(variant, block, x, **opts))
+    with maybe_autocast(autocast, device):
+        loss = _loss(run_variant(variant, block, x, **opts), device)
     with _OpCounter() as ops:
         loss.backward()
     return grads([x, *lin1.parameters(), *lin2.parameters()]), block.calls, ops.counts
@@ -343,11 +372,12 @@ def _sac_run(variant: str, policy: Any, autocast: bool):
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("policy", list(SAC_POLICIES))
-def test_selective_checkpoint_policies(policy: str, autocast: bool) -> None:
-    g_plain, _, _ = _sac_run("plain", None, autocast)
-    g_torch, calls_t, ops_t = _sac_run("torch", SAC_POLICIES[policy], autocast)
-    g_ck, calls_c, ops_c = _sac_run("ckptfx", SAC_POLICIES[policy], autocast)
-    _, _, ops_full = _sac_run("ckptfx", None, autocast)
+def test_selective_checkpoint_policies(policy: str, autocast: bool,
+                                       device: torch.device) -> None:
+    g_plain, _, _ = _sac_run("plain", None, autocast, device)
+    g_torch, calls_t, ops_t = _sac_run("torch", SAC_POLICIES[policy], autocast, device)
+    g_ck, calls_c, ops_c = _sac_run("ckptfx", SAC_POLICIES[policy], autocast, device)
+    _, _, ops_full = _sac_run("ckptfx", None, autocast, device)
     assert_bitwise(g_ck, g_plain)
     assert_bitwise(g_torch, g_plain, "torch's gradient")
     assert calls_c == calls_t == 2
@@ -357,13 +387,14 @@ def test_selective_checkpoint_policies(policy: str, autocast: bool) -> None:
     assert ops_c.get(saved_op, 0) < ops_full[saved_op]  # the policy did save something
 
 
-def test_selective_checkpoint_second_backward_same_error_as_torch() -> None:
+def test_selective_checkpoint_second_backward_same_error_as_torch(
+        device: torch.device) -> None:
     # Each SAC cache entry is single-use: a retain_graph second backward is refused alike.
     errors = {}
     for variant in ("torch", "ckptfx"):
         torch.manual_seed(0)
-        lin = nn.Linear(D, D)
-        x = _x(4, D)
+        lin = nn.Linear(D, D).to(device)
+        x = _x(4, D, device=device)
         ctx_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
                                    _save_mm_policy)
         loss = run_variant(variant, lambda x: lin(x).sin(), x, ckpt_context_fn=ctx_fn).sum()
@@ -393,9 +424,9 @@ class GatedBlock(nn.Module):
         return x + (y if gate is None else y * gate)
 
 
-def _wrapper_run(variant: str, autocast: bool):
+def _wrapper_run(variant: str, autocast: bool, device: torch.device):
     torch.manual_seed(0)
-    model = nn.Sequential(GatedBlock(), GatedBlock())
+    model = nn.Sequential(GatedBlock(), GatedBlock()).to(device)
     names_before = [n for n, _ in model.named_parameters()]
     keys_before = list(model.state_dict())
     if variant == "ckptfx":
@@ -404,54 +435,54 @@ def _wrapper_run(variant: str, autocast: bool):
         assert [n for n, _ in model.named_parameters()] == names_before
         assert list(model.state_dict()) == keys_before
         assert all(isinstance(b, GatedBlock) for b in model)
-    x = _x(4, D)
-    gate = _x(D)
-    with maybe_autocast(autocast):
+    x = _x(4, D, device=device)
+    gate = _x(D, device=device)
+    with maybe_autocast(autocast, device):
         h = x
         for block in model:
             if variant == "torch":
                 h = torch_checkpoint.checkpoint(block, h, use_reentrant=False, gate=gate)
             else:
                 h = block(h, gate=gate)
-        loss = _loss(h)
+        loss = _loss(h, device)
     loss.backward()
     return grads([x, gate, *model.parameters()])
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
-def test_checkpoint_wrapper(autocast: bool) -> None:
-    g_plain = _wrapper_run("plain", autocast)
-    g_torch = _wrapper_run("torch", autocast)
-    g_ck = _wrapper_run("ckptfx", autocast)
+def test_checkpoint_wrapper(autocast: bool, device: torch.device) -> None:
+    g_plain = _wrapper_run("plain", autocast, device)
+    g_torch = _wrapper_run("torch", autocast, device)
+    g_ck = _wrapper_run("ckptfx", autocast, device)
     assert_bitwise(g_ck, g_plain)
     assert_bitwise(g_torch, g_plain, "torch's gradient")
 
 
-def test_checkpoint_wrapper_replays_once_per_backward() -> None:
+def test_checkpoint_wrapper_replays_once_per_backward(device: torch.device) -> None:
     torch.manual_seed(0)
-    block = GatedBlock()
+    block = GatedBlock().to(device)
     calls = Counted(lambda: None)
     block.register_forward_pre_hook(lambda m, a: calls())  # runs on the wrapper's call only
     inner_calls = Counted(block.ff.forward)
     block.ff.forward = inner_calls
     ckptfx.checkpoint_wrapper(block)
-    block(_x(4, D)).sum().backward()
+    block(_x(4, D, device=device)).sum().backward()
     assert calls.calls == 1  # module hooks are not re-run by the replay
     assert inner_calls.calls == 2  # the forward ran, then one replay
     ckptfx.unwrap_checkpoint(block)
     assert type(block) is GatedBlock
-    block(_x(4, D)).sum().backward()
+    block(_x(4, D, device=device)).sum().backward()
     assert inner_calls.calls == 3
 
 
-def test_early_stop_exact_under_a_user_dispatch_mode() -> None:
+def test_early_stop_exact_under_a_user_dispatch_mode(device: torch.device) -> None:
     """A dispatch mode active during backward (a FLOP counter, a profiler) runs torch calls
     inside each op; the stop must still wait for rrelu to fill its saved noise."""
-    g_plain = run_case("rrelu_last", "plain", False)[0]
+    g_plain = run_case("rrelu_last", "plain", False, device)[0]
     torch.manual_seed(0)
-    fn, args, kwargs, leaves = CASES["rrelu_last"](checkpoint_fn("ckptfx"))
+    fn, args, kwargs, leaves = CASES["rrelu_last"](checkpoint_fn("ckptfx"), device)
     out = ckptfx.checkpoint(fn, *args, **kwargs)
-    loss = _loss(out)
+    loss = _loss(out, device)
     with _OpCounter():
         loss.backward()
     assert_bitwise(grads(leaves), g_plain)

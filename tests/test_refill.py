@@ -5,14 +5,16 @@ Differential: one transformer-ish stack (checkpointed norms with dropout, attent
 activation; the linears after them save their outputs) run plain, under torch's checkpoint,
 under ckptfx's, and under ckptfx's inside the context (checkpoint and remat): gradients
 bitwise, replays counted inside the blocks (or as ATen ops for remat), and the bytes the
-forward leaves allocated measured by the CPU allocator (the profiler's accounting)."""
+forward leaves allocated measured by the device's allocator (on the CPU, the profiler's
+accounting). Every test runs on the CPU and on the accelerator under test (``device``)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ from torch.profiler import profile
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
-from conftest import OpCounter, assert_bitwise, grads, maybe_autocast
+from conftest import OpCounter, assert_bitwise, grads
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -77,9 +79,25 @@ class Layer(nn.Module):
         return [self.norm1, self.core, self.norm2, self.act]
 
 
-def make_stack() -> nn.ModuleList:
+def make_stack(device: torch.device) -> nn.ModuleList:
     torch.manual_seed(0)
-    return nn.ModuleList(Layer() for _ in range(LAYERS))
+    return nn.ModuleList(Layer() for _ in range(LAYERS)).to(device)
+
+
+@contextlib.contextmanager
+def maybe_autocast(enabled: bool, device: torch.device) -> Iterator[None]:
+    """bf16 autocast on ``device`` when ``enabled``, else nothing."""
+    if enabled:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            yield
+    else:
+        yield
+
+
+def _input(device: torch.device) -> torch.Tensor:
+    """The stack's input, the same numbers on every device (drawn on the CPU, seed 1)."""
+    torch.manual_seed(1)
+    return torch.randn(B, S, D).to(device).requires_grad_()
 
 
 def _remat(policy: Any) -> Callable[..., Any]:
@@ -99,7 +117,7 @@ REFILLED = ("refill", "remat", "remat_dots")
 
 def forward(stack: nn.ModuleList, x: torch.Tensor, variant: str, autocast: bool) -> torch.Tensor:
     ckpt = CKPT[variant]
-    with maybe_autocast(autocast):
+    with maybe_autocast(autocast, x.device):
         if variant in REFILLED:
             with ckptfx.refill_outputs():
                 for layer in stack:
@@ -110,14 +128,13 @@ def forward(stack: nn.ModuleList, x: torch.Tensor, variant: str, autocast: bool)
     return x.float().square().sum()
 
 
-def run(stack: nn.ModuleList, variant: str, autocast: bool
+def run(stack: nn.ModuleList, variant: str, autocast: bool, device: torch.device
         ) -> tuple[list[torch.Tensor | None], list[int], dict[str, int]]:
     """Gradients, block runs and the backward's ATen op counts of one step."""
     params = list(stack.parameters())
     for p in params:
         p.grad = None
-    torch.manual_seed(1)
-    x = torch.randn(B, S, D, requires_grad=True)
+    x = _input(device)  # seeds 1: the dropouts draw the same masks in every variant
     blocks = [b for layer in stack for b in layer.blocks()]
     for b in blocks:
         b.calls = 0
@@ -128,13 +145,13 @@ def run(stack: nn.ModuleList, variant: str, autocast: bool
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
-def test_stack_bitwise_one_replay_per_block(autocast: bool) -> None:
-    stack = make_stack()
-    expected, calls, _ = run(stack, "plain", autocast)
+def test_stack_bitwise_one_replay_per_block(autocast: bool, device: torch.device) -> None:
+    stack = make_stack(device)
+    expected, calls, _ = run(stack, "plain", autocast, device)
     assert calls == [1] * 4 * LAYERS
     norms = 2 * LAYERS  # rsqrt runs once per norm in the forward, once per replay
     for variant in CKPT:
-        got, calls, ops = run(stack, variant, autocast)
+        got, calls, ops = run(stack, variant, autocast, device)
         assert_bitwise(got, expected, f"{variant} gradient")
         if variant == "plain" or variant.startswith("remat"):  # remat replays recorded ops
             assert calls == [1] * 4 * LAYERS, variant
@@ -143,39 +160,55 @@ def test_stack_bitwise_one_replay_per_block(autocast: bool) -> None:
         assert ops.get("rsqrt", 0) == (0 if variant == "plain" else norms), variant
 
 
-def held_after_forward(stack: nn.ModuleList, variant: str, autocast: bool) -> int:
-    """Net bytes one forward leaves allocated (the CPU allocator's accounting)."""
-    torch.manual_seed(1)
-    x = torch.randn(B, S, D, requires_grad=True)
+def held_after_forward(stack: nn.ModuleList, variant: str, autocast: bool,
+                       device: torch.device) -> int:
+    """Net bytes one forward leaves allocated: the CPU allocator's accounting (the
+    profiler's) on the CPU, the device allocator's (``memory_allocated``) on a device."""
+    x = _input(device)
     forward(stack, x, variant, autocast).backward()  # warm up
     gc.collect()
-    with profile(profile_memory=True) as prof:
+    if device.type == "cpu":
+        with profile(profile_memory=True) as prof:
+            loss = forward(stack, x, variant, autocast)
+        held = sum(e.self_cpu_memory_usage for e in prof.key_averages())
+    else:
+        mod = torch.get_device_module(device.type)
+        before = mod.memory_allocated(device)
         loss = forward(stack, x, variant, autocast)
-    held = sum(e.self_cpu_memory_usage for e in prof.key_averages())
+        held = mod.memory_allocated(device) - before
     loss.backward()
     return held
 
 
+def allocated(nbytes: int, device: torch.device) -> int:
+    """What the device's allocator counts for a tensor of ``nbytes``: CUDA's caching
+    allocator rounds each block up to 512 bytes; the CPU and the fake device count bytes."""
+    return -(-nbytes // 512) * 512 if device.type == "cuda" else nbytes
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
-def test_refill_saves_exactly_the_block_outputs(autocast: bool) -> None:
-    stack = make_stack()
+def test_refill_saves_exactly_the_block_outputs(autocast: bool, device: torch.device) -> None:
+    stack = make_stack(device)
     # (ckptfx's checkpoint holds what torch's holds, to the byte: test_block_output.py)
-    held = {v: held_after_forward(stack, v, autocast) for v in ("ckptfx", "refill", "remat")}
+    held = {v: held_after_forward(stack, v, autocast, device)
+            for v in ("ckptfx", "refill", "remat")}
     # Per layer, the outputs the next op saves as they are: both norms' (saved by q, k, v and
     # fc1), the attention core's (by o) and the gelu's (by fc2). Under bf16 autocast the
     # linears after a norm save a bf16 copy of its float32 output, as without the context:
     # only the core's and the gelu's bf16 outputs are the saved tensors themselves.
     if autocast:
-        outputs = LAYERS * (B * S * D + B * S * 4 * D) * 2
+        sizes = [B * S * D * 2, B * S * 4 * D * 2]
     else:
-        outputs = LAYERS * (3 * B * S * D + B * S * 4 * D) * 4
+        sizes = [B * S * D * 4] * 3 + [B * S * 4 * D * 4]
+    outputs = LAYERS * sum(allocated(n, device) for n in sizes)
     assert held["ckptfx"] - held["refill"] == outputs
     assert held["remat"] == held["refill"]
 
 
-def _block_pair(calls: list[int]) -> tuple[Callable[..., Any], nn.Linear]:
+def _block_pair(calls: list[int], device: torch.device
+                ) -> tuple[Callable[..., Any], nn.Linear]:
     torch.manual_seed(0)
-    lin = nn.Linear(D, D)
+    lin = nn.Linear(D, D).to(device)
 
     def block(x: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
@@ -184,15 +217,15 @@ def _block_pair(calls: list[int]) -> tuple[Callable[..., Any], nn.Linear]:
     return block, lin
 
 
-def test_output_written_before_the_save_is_saved_as_is() -> None:
+def test_output_written_before_the_save_is_saved_as_is(device: torch.device) -> None:
     calls = [0]
-    block, lin = _block_pair(calls)
-    x = torch.randn(S, D, requires_grad=True)
+    block, lin = _block_pair(calls, device)
+    x = torch.randn(S, D, device=device, requires_grad=True)
     results = []
     for refill in (False, True):
         lin.zero_grad()
         x.grad = None
-        with ckptfx.refill_outputs() if refill else maybe_autocast(False):
+        with ckptfx.refill_outputs() if refill else contextlib.nullcontext():
             y = ckptfx.checkpoint(block, x)
             y.mul_(3)  # before lin saves it: the saved tensor is the new value
             out = lin(y)
@@ -203,11 +236,12 @@ def test_output_written_before_the_save_is_saved_as_is() -> None:
 
 
 @pytest.mark.parametrize("variant", ["plain", "torch", "ckptfx", "refill"])
-def test_output_written_after_the_save_raises_as_autograd(variant: str) -> None:
+def test_output_written_after_the_save_raises_as_autograd(variant: str,
+                                                          device: torch.device) -> None:
     calls = [0]
-    block, lin = _block_pair(calls)
-    x = torch.randn(S, D, requires_grad=True)
-    with ckptfx.refill_outputs() if variant == "refill" else maybe_autocast(False):
+    block, lin = _block_pair(calls, device)
+    x = torch.randn(S, D, device=device, requires_grad=True)
+    with ckptfx.refill_outputs() if variant == "refill" else contextlib.nullcontext():
         y = CKPT[variant](block, x)
         out = lin(y)
     y.add_(1)
@@ -215,11 +249,11 @@ def test_output_written_after_the_save_raises_as_autograd(variant: str) -> None:
         out.sum().backward()
 
 
-def test_other_saved_tensors_keep_the_version_check() -> None:
+def test_other_saved_tensors_keep_the_version_check(device: torch.device) -> None:
     # Saved-tensor hooks switch autograd's check off; the context checks what it saves.
     for refill in (False, True):
-        a = torch.randn(S, D, requires_grad=True) * 1
-        with ckptfx.refill_outputs() if refill else maybe_autocast(False):
+        a = torch.randn(S, D, device=device, requires_grad=True) * 1
+        with ckptfx.refill_outputs() if refill else contextlib.nullcontext():
             out = a.sin()
         a.add_(1)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -227,11 +261,11 @@ def test_other_saved_tensors_keep_the_version_check() -> None:
 
 
 @pytest.mark.parametrize("variant", ["torch", "ckptfx", "refill"])
-def test_retain_graph_replays_per_backward_as_torch(variant: str) -> None:
+def test_retain_graph_replays_per_backward_as_torch(variant: str, device: torch.device) -> None:
     calls = [0]
-    block, lin = _block_pair(calls)
-    x = torch.randn(S, D, requires_grad=True)
-    with ckptfx.refill_outputs() if variant == "refill" else maybe_autocast(False):
+    block, lin = _block_pair(calls, device)
+    x = torch.randn(S, D, device=device, requires_grad=True)
+    with ckptfx.refill_outputs() if variant == "refill" else contextlib.nullcontext():
         out = lin(CKPT[variant](block, x)).sum()
     out.backward(retain_graph=True)
     out.backward()
@@ -240,10 +274,10 @@ def test_retain_graph_replays_per_backward_as_torch(variant: str) -> None:
     assert torch.equal(x.grad, expected)
 
 
-def test_an_output_still_held_is_handed_out_without_a_replay() -> None:
+def test_an_output_still_held_is_handed_out_without_a_replay(device: torch.device) -> None:
     calls = [0]
-    block, lin = _block_pair(calls)
-    x = torch.randn(S, D, requires_grad=True)
+    block, lin = _block_pair(calls, device)
+    x = torch.randn(S, D, device=device, requires_grad=True)
     with ckptfx.refill_outputs():
         y = ckptfx.checkpoint(block, x)
         out = lin(y).sum()
@@ -269,11 +303,11 @@ class _ReadsTwice(torch.autograd.Function):
         return g @ w.t(), h2.t() @ g
 
 
-def test_a_second_read_in_one_backward_gets_its_own_replay() -> None:
+def test_a_second_read_in_one_backward_gets_its_own_replay(device: torch.device) -> None:
     calls = [0]
-    block, _ = _block_pair(calls)
-    x = torch.randn(S, D, requires_grad=True)
-    w = torch.randn(D, D, requires_grad=True)
+    block, _ = _block_pair(calls, device)
+    x = torch.randn(S, D, device=device, requires_grad=True)
+    w = torch.randn(D, D, device=device, requires_grad=True)
     expected = torch.autograd.grad(_ReadsTwice.apply(block(x), w).sum(), (x, w))
     calls[0] = 0
     with ckptfx.refill_outputs():
@@ -282,9 +316,9 @@ def test_a_second_read_in_one_backward_gets_its_own_replay() -> None:
     assert calls[0] == 3  # forward, the backward's replay, the second read's own
 
 
-def test_sessions_and_vjp_split_replay_once() -> None:
-    stack = make_stack()
-    expected, _, _ = run(stack, "plain", False)
+def test_sessions_and_vjp_split_replay_once(device: torch.device) -> None:
+    stack = make_stack(device)
+    expected, _, _ = run(stack, "plain", False, device)
     params = list(stack.parameters())
     blocks = [b for layer in stack for b in layer.blocks()]
 
@@ -299,8 +333,7 @@ def test_sessions_and_vjp_split_replay_once() -> None:
             p.grad = None
         for b in blocks:
             b.calls = 0
-        torch.manual_seed(1)
-        x = torch.randn(B, S, D, requires_grad=True)
+        x = _input(device)
         if mode == "vjp_split":
             out, dx_fn, dw_fn = ckptfx.vjp_split(stage, x, params=params, session="refill")
             dx = dx_fn(torch.ones_like(out))
@@ -321,11 +354,10 @@ def test_sessions_and_vjp_split_replay_once() -> None:
         assert_bitwise([dx, *grads(params)], expected, f"{mode} gradient")
 
 
-def test_backward_on_a_fresh_thread() -> None:
-    stack = make_stack()
-    expected, _, _ = run(stack, "plain", False)
-    torch.manual_seed(1)
-    x = torch.randn(B, S, D, requires_grad=True)
+def test_backward_on_a_fresh_thread(device: torch.device) -> None:
+    stack = make_stack(device)
+    expected, _, _ = run(stack, "plain", False, device)
+    x = _input(device)
     for p in stack.parameters():
         p.grad = None
     loss = forward(stack, x, "refill", False)
@@ -344,9 +376,9 @@ def test_backward_on_a_fresh_thread() -> None:
     assert_bitwise(grads([x, *stack.parameters()]), expected)
 
 
-def test_a_graph_freed_without_backward_leaks_nothing() -> None:
-    stack = make_stack()
-    x = torch.randn(B, S, D, requires_grad=True)
+def test_a_graph_freed_without_backward_leaks_nothing(device: torch.device) -> None:
+    stack = make_stack(device)
+    x = torch.randn(B, S, D, device=device, requires_grad=True)
     with ckptfx.recompute_handle_collector_ctx() as handles:
         loss = forward(stack, x, "refill", False)
     frames = [weakref.ref(h.frame) for h in handles]
@@ -356,10 +388,10 @@ def test_a_graph_freed_without_backward_leaks_nothing() -> None:
     assert all(f() is None for f in frames)
 
 
-def test_where_other_hooks_are_active_it_changes_nothing() -> None:
+def test_where_other_hooks_are_active_it_changes_nothing(device: torch.device) -> None:
     calls = [0]
-    block, lin = _block_pair(calls)
-    x = torch.randn(S, D, requires_grad=True)
+    block, lin = _block_pair(calls, device)
+    x = torch.randn(S, D, device=device, requires_grad=True)
     expected = torch.autograd.grad(lin(block(x)).sum(), x)
 
     def outer(x: torch.Tensor) -> torch.Tensor:
@@ -376,23 +408,23 @@ def test_where_other_hooks_are_active_it_changes_nothing() -> None:
     assert_bitwise(torch.autograd.grad(out, x), expected)
 
 
-def test_a_replay_with_other_outputs_is_refused() -> None:
+def test_a_replay_with_other_outputs_is_refused(device: torch.device) -> None:
     sizes = iter([S, S - 1])
-    _, lin = _block_pair([0])
+    _, lin = _block_pair([0], device)
 
     def block(x: torch.Tensor) -> torch.Tensor:
         return x.sin()[: next(sizes)]  # sin saves x: the replay's saved tensors match
 
-    x = torch.randn(S, D, requires_grad=True)
+    x = torch.randn(S, D, device=device, requires_grad=True)
     with ckptfx.refill_outputs():
         out = lin(ckptfx.checkpoint(block, x)).sum()
     with pytest.raises(ckptfx.CheckpointError, match="output 0 of the replayed block"):
         out.backward()
 
 
-def test_remat_block_that_must_rerun_its_function() -> None:
+def test_remat_block_that_must_rerun_its_function(device: torch.device) -> None:
     calls = [0]
-    _, lin = _block_pair(calls)
+    _, lin = _block_pair(calls, device)
 
     def block(x: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
@@ -401,12 +433,12 @@ def test_remat_block_that_must_rerun_its_function() -> None:
             (g,) = torch.autograd.grad(t.sin().sum(), t)
         return torch.tanh(x) * g
 
-    x = torch.randn(S, D, requires_grad=True)
+    x = torch.randn(S, D, device=device, requires_grad=True)
     expected = torch.autograd.grad(lin(block(x)).sum(), (x, lin.weight))
     runs = []
     for refill in (False, True):
         calls[0] = 0
-        with ckptfx.refill_outputs() if refill else maybe_autocast(False):
+        with ckptfx.refill_outputs() if refill else contextlib.nullcontext():
             with ckptfx.recompute_handle_collector_ctx() as handles:
                 out = lin(ckptfx.remat(block)(x)).sum()
         assert (handles[0].frame.refill is not None) == refill
@@ -415,12 +447,12 @@ def test_remat_block_that_must_rerun_its_function() -> None:
     assert runs[1] == runs[0]  # one re-run in the backward, which also gave the output
 
 
-def test_session_stats_count_the_refilled_outputs() -> None:
-    x = torch.randn(S, D, requires_grad=True)
+def test_session_stats_count_the_refilled_outputs(device: torch.device) -> None:
+    x = torch.randn(S, D, device=device, requires_grad=True)
     held = []
     for refill in (False, True):
-        block, lin = _block_pair([0])
-        with ckptfx.refill_outputs() if refill else maybe_autocast(False):
+        block, lin = _block_pair([0], device)
+        with ckptfx.refill_outputs() if refill else contextlib.nullcontext():
             with ckptfx.recompute_handle_collector_ctx() as handles:
                 out = lin(ckptfx.checkpoint(block, x)).sum()
         try:
@@ -433,11 +465,11 @@ def test_session_stats_count_the_refilled_outputs() -> None:
     assert held[1] - held[0] == S * D * 4  # the block's output, refilled by the prefire
 
 
-def test_a_transposed_view_of_the_output_is_refilled() -> None:
+def test_a_transposed_view_of_the_output_is_refilled(device: torch.device) -> None:
     calls = [0]
-    block, _ = _block_pair(calls)
-    x = torch.randn(S, D, requires_grad=True)
-    w = torch.randn(S, D, requires_grad=True)
+    block, _ = _block_pair(calls, device)
+    x = torch.randn(S, D, device=device, requires_grad=True)
+    w = torch.randn(S, D, device=device, requires_grad=True)
     expected = torch.autograd.grad((block(x).t() @ w).sum(), (x, w))
     calls[0] = 0
     with ckptfx.refill_outputs():
@@ -449,9 +481,9 @@ def test_a_transposed_view_of_the_output_is_refilled() -> None:
     assert calls[0] == 2
 
 
-def test_a_forward_that_raises_leaves_nothing_pushed() -> None:
-    block, lin = _block_pair([0])
-    x = torch.randn(S, D, requires_grad=True)
+def test_a_forward_that_raises_leaves_nothing_pushed(device: torch.device) -> None:
+    block, lin = _block_pair([0], device)
+    x = torch.randn(S, D, device=device, requires_grad=True)
     with pytest.raises(ZeroDivisionError):
         with ckptfx.refill_outputs():
             lin(ckptfx.checkpoint(block, x))
@@ -464,12 +496,12 @@ def test_a_forward_that_raises_leaves_nothing_pushed() -> None:
     out.backward()
 
 
-def test_under_a_torch_func_transform_it_is_inert() -> None:
-    block, lin = _block_pair([0])
-    x = torch.randn(S, D)
+def test_under_a_torch_func_transform_it_is_inert(device: torch.device) -> None:
+    block, lin = _block_pair([0], device)
+    x = torch.randn(S, D, device=device)
 
     def loss(x: torch.Tensor, refill: bool) -> torch.Tensor:
-        with ckptfx.refill_outputs() if refill else maybe_autocast(False):
+        with ckptfx.refill_outputs() if refill else contextlib.nullcontext():
             return lin(ckptfx.remat(block)(x)).sum()
 
     expected = torch.func.grad(loss)(x, False)
@@ -477,22 +509,23 @@ def test_under_a_torch_func_transform_it_is_inert() -> None:
 
 
 @pytest.mark.parametrize("make", ["view", "untracked"])
-def test_an_output_whose_storage_the_block_did_not_make_is_saved_as_is(make: str) -> None:
+def test_an_output_whose_storage_the_block_did_not_make_is_saved_as_is(
+        make: str, device: torch.device) -> None:
     """A ``ckptfx.checkpoint`` block's replay reads outside tensors when it runs, so an output
     autograd does not show the block made (a view of a buffer, or a no-grad result of one)
     is not refilled: a later in-place change of the buffer gives what plain autograd gives
     (its error, or the forward's value), never a re-read."""
-    buf = torch.randn(4, 4)
-    w = torch.randn(4, 4, requires_grad=True)
+    buf = torch.randn(4, 4, device=device)
+    w = torch.randn(4, 4, device=device, requires_grad=True)
 
     def blk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tanh(x), (buf[0:3] if make == "view" else buf[0:3] * 1.0)
 
-    x0 = torch.randn(3, 4)
+    x0 = torch.randn(3, 4, device=device)
     results = []
     for variant in ("plain", "refill"):
         w.grad = None
-        buf.copy_(torch.ones(4, 4))
+        buf.copy_(torch.ones(4, 4, device=device))
         x = x0.clone().requires_grad_()
         if variant == "plain":
             h, m = blk(x)

@@ -1,6 +1,9 @@
 """remat's random ops replay the forward's numbers while storing no more generator states
 than torch's checkpoint (segment.py, Rule 3b): the first CPU draw starts from the block's
-start state, later draws continue from the random op before them."""
+start state, later draws continue from the random op before them.
+
+The blocks run on the CPU and on the accelerator under test (``device``), where the random
+ops draw from the device's generator (and an explicit generator is one on the device)."""
 
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ def _block(gen: torch.Generator | None):
         # only because the dropout after it continues from where it left the generator.
         h = (x @ w) + 0.1 * torch.rand_like(x)
         h = F.dropout(h.tanh(), 0.3, True)
-        if gen is not None:  # another generator between two CPU draws
-            h = h + torch.randn(h.shape, generator=gen)
+        if gen is not None:  # another generator between two draws from the default one
+            h = h + torch.randn(h.shape, generator=gen, device=h.device)
         h = checkpoint_name(F.dropout((h @ w).sin(), 0.2, True), "mid")
         return F.dropout(h @ w, 0.4, True).exp()
     return block
@@ -42,22 +45,25 @@ def _grads(fn, x, w, seed: int, gen: torch.Generator | None):
     return [out, *torch.autograd.grad(out.sum(), [xs, ws])]
 
 
-@pytest.mark.parametrize("explicit", [False, True], ids=["cpu", "cpu+generator"])
+@pytest.mark.parametrize("explicit", [False, True], ids=["default", "default+generator"])
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_random_ops_replay_the_forward_numbers(policy: str, explicit: bool) -> None:
-    gen = torch.Generator().manual_seed(0) if explicit else None
-    x, w = torch.randn(4, 6), torch.randn(6, 6)
+def test_random_ops_replay_the_forward_numbers(policy: str, explicit: bool,
+                                               device: torch.device) -> None:
+    gen = torch.Generator(device=device).manual_seed(0) if explicit else None
+    x, w = torch.randn(4, 6, device=device), torch.randn(6, 6, device=device)
     block = _block(gen)
     rematted = ckptfx.remat(block, policy=POLICIES[policy])
     for seed in range(3):
         assert_bitwise(_grads(rematted, x, w, seed, gen), _grads(block, x, w, seed, gen))
 
 
-def test_no_generator_state_stored_for_cpu_draws() -> None:
-    """Four CPU random ops in a block: none stores a 5 KiB state (torch's checkpoint keeps
-    the one state the frame holds too)."""
-    x = torch.randn(4, 6, requires_grad=True)
-    w = torch.randn(6, 6, requires_grad=True)
+def test_no_generator_state_stored_for_draws_from_the_default_generator(
+        device: torch.device) -> None:
+    """Four random ops in a block: none stores a 5 KiB generator state (torch's checkpoint
+    keeps the one state the frame holds too). On a device the first draw starts from the
+    device state the frame captured, as the CPU's first draw starts from the CPU state."""
+    x = torch.randn(4, 6, device=device, requires_grad=True)
+    w = torch.randn(6, 6, device=device, requires_grad=True)
     with ckptfx.recompute_handle_collector_ctx() as handles:
         out = ckptfx.remat(_block(None))(x, w)
     seg = handles[0].frame.rerun.__self__
@@ -77,7 +83,8 @@ class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_replay_that_needs_a_later_random_op_runs_the_ones_before_it() -> None:
+def test_a_replay_that_needs_a_later_random_op_runs_the_ones_before_it(
+        device: torch.device) -> None:
     """``a`` is kept, so no replay needs rand_like's numbers; the dropout after it is
     replayed, and continues from where rand_like left the generator: the replay runs
     rand_like first (its state is not stored), and the gradients stay bitwise."""
@@ -85,7 +92,7 @@ def test_a_replay_that_needs_a_later_random_op_runs_the_ones_before_it() -> None
         a = checkpoint_name(x @ w + torch.rand_like(x), "a")
         return F.dropout(a.tanh(), 0.5, True).exp()
 
-    x, w = torch.randn(4, 6), torch.randn(6, 6)
+    x, w = torch.randn(4, 6, device=device), torch.randn(6, 6, device=device)
     rematted = ckptfx.remat(block, policy=cp.save_only_these_names("a"))
     for seed in range(3):
         torch.manual_seed(seed)

@@ -108,7 +108,7 @@ from ckptfx import _compat
 from ckptfx.kernel.last_op import last_op_writes_nothing
 from ckptfx.kernel.replay_env import ReplayEnv
 
-__all__ = ["CheckpointError", "Frame", "Holder", "Reads", "unpack_hook", "tls"]
+__all__ = ["CheckpointError", "Frame", "Holder", "Reads", "SESSION_KEY", "unpack_hook", "tls"]
 
 _next_sequence_nr = _compat.next_sequence_nr
 _SavedTensor = _compat.SavedTensor
@@ -146,6 +146,12 @@ class _ThreadState(threading.local):
 
 
 tls = _ThreadState()
+
+# Under this key the session context also puts its activation in the state autograd carries
+# into the threads of a backward (``_compat.carry``): autograd's device threads never see
+# ``tls``, and lazy discovery (session.py Rule 2) must work there too.
+SESSION_KEY = "ckptfx.recompute_session"
+_carried = _compat.carried
 
 
 def refuse_new_frame_in_scheduled_replay(what: str) -> None:
@@ -341,8 +347,12 @@ class Frame:
         GraphExecGroup, the GraphTask), and the session activation it reads under (or
         None); ``(None, None)`` outside any backward."""
         act = self.active
-        if act is None and tls.activation is not None:
-            act = tls.activation.adopt(self)
+        if act is None:
+            opened = tls.activation
+            if opened is None:  # a device thread running the backward of a session's caller
+                opened = _carried(SESSION_KEY)
+            if opened is not None:
+                act = opened.adopt(self)
         if act is not None:  # bound to a frame registered to act.session (session.py)
             replay = self.session_replay
             if replay is None:

@@ -9,9 +9,12 @@ Rules
    under the session until the last consumer takes it or the session is cleared.
 
 2. A frame is *registered* to at most one session at a time (``frame.session``): by a prefire
-   (``recompute_handle``), or when a backward inside ``recompute_session_ctx`` on this thread
-   first unpacks it (lazy discovery). A second session on the same frame is an error until the
-   first is cleared.
+   (``recompute_handle``), or when a backward started inside ``recompute_session_ctx`` first
+   unpacks it (lazy discovery), on the caller's thread or on one of autograd's device threads:
+   the context puts its activation in ``frame.tls`` for this thread and in the state autograd
+   carries into a backward's threads (``_compat.carry``) for the others. A thread of the
+   user's own that runs a backward sees neither: prefire or register the handles for it. A
+   second session on the same frame is an error until the first is cleared.
 
 3. ``recompute_session_ctx`` *binds* an ``Activation`` (session + retain flag) to every frame of
    the session (``frame.active``) and unbinds on exit. The unpack hook reads only that
@@ -42,7 +45,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from ckptfx import _compat
-from ckptfx.kernel.frame import CheckpointError, Frame, tls
+from ckptfx.kernel.frame import SESSION_KEY, CheckpointError, Frame, tls
 from ckptfx.kernel.fsdp import before_prefire
 from ckptfx.kernel.handles import (
     RecomputeHandle,
@@ -347,10 +350,12 @@ class _SessionContext(contextlib.ContextDecorator):
             session.contexts += 1
         self.session, self.act = session, act
         tls.activation = act
+        _compat.carry(SESSION_KEY, act)  # for autograd's device threads (Rule 2)
 
     def __exit__(self, *exc: Any) -> None:
         session, act = self.session, self.act
         tls.activation = None
+        _compat.uncarry(SESSION_KEY)
         with _lock:
             if session.act is act:
                 session.act = None

@@ -11,12 +11,15 @@ packs.py)
    that reads it (the forward's memory profile, not every intermediate at once). Seeded
    random ops replay from the generator states they drew from in the forward (the global
    generators' and any explicit ``generator=``'s; Rule 3b), so skipping ops never shifts a
-   dropout mask; the caller's generators are put back after the replay.
+   dropout mask; the caller's generators are put back after the replay (the current
+   device's and every device whose generator the replay sets: a prefire of a block on
+   another device runs on the caller's thread).
 
    3b. A generator state is stored only where the replay cannot know it otherwise (a CPU
    generator state is 5 KiB; one per dropout would make remat hold more than torch's
-   checkpoint, which keeps one per block). The block's first draw from the CPU generator
-   starts from the state the frame captured when the block began. A random op whose
+   checkpoint, which keeps one per block). The block's first draw from the CPU generator,
+   or from the default generator of a device the frame captured (the devices of its
+   inputs), starts from the state the frame captured when the block began. A random op whose
    previous draw on the same generators was one random op drawing from exactly those
    continues from where that op left them: any replay that runs it runs that op first
    (``Segment.rng_prev``; usually it is needed anyway, as every dropout mask is).
@@ -73,6 +76,10 @@ class Segment:
         # Random op -> the random op before it on the same generators, for ops recorded
         # without generator states (Rule 3b): a replay that runs one runs the other first.
         self.rng_prev: dict[int, int] = {}
+        # Device indices whose generator a replay sets (random ops recorded with states), so
+        # the replay can put each back: the caller's current device is not always one of them
+        # (a prefire on the caller's thread of a block on another device).
+        self.rng_devices: set[int] = set()
         self.subclass = False  # a tensor subclass reached the recorder
         self.last_plan: int = 0
         # Values the policy keeps because the replay (not autograd) reads them (packs.py Rule
@@ -153,7 +160,8 @@ class Segment:
         # replay takes them over and lets go of each after its last read.
         self.single_use.clear()
         release = self._release_after(plan, targets, available)
-        with _ReplayGuard(frame.env.device_type, frame.env.generators):
+        with _ReplayGuard(frame.env.device_type, frame.env.generators,
+                          {*(i for i, _ in frame.env.device_rng), *self.rng_devices}):
             for k, i in enumerate(plan):
                 op = self.ops[i]
                 leaves = list(op.leaves)
@@ -166,6 +174,8 @@ class Segment:
                     if rng is BLOCK_START:
                         assert frame.env.cpu_rng is not None  # remat frames always capture it
                         torch.set_rng_state(frame.env.cpu_rng)
+                    elif rng[0] is DEVICE_BLOCK_START:
+                        _set_device_block_start(frame.env, rng[1])
                     else:
                         _set_rng(rng)
                 out = op.func(*args, **kwargs)
@@ -323,6 +333,18 @@ def check_outside(t: torch.Tensor, version: int) -> None:
 # The state the CPU generator had when the block started (``frame.env.cpu_rng``).
 BLOCK_START = ("block start",)
 CPU_DEFAULT = frozenset({("default", "cpu", None)})
+# ``(DEVICE_BLOCK_START, index)``: the state device ``index``'s default generator had when the
+# block started (``frame.env.device_rng``), for the block's first draw from it.
+DEVICE_BLOCK_START = "device block start"
+
+
+def _set_device_block_start(env: Any, index: int) -> None:
+    mod = torch.get_device_module(env.device_type)
+    for i, state in env.device_rng:
+        if i == index:
+            mod.set_rng_state(state, i)
+            return
+    raise AssertionError("the tracer stores DEVICE_BLOCK_START only for a captured device")
 
 
 def rng_states(device: Any, generators: list[torch.Generator]) -> tuple[Any, ...]:
@@ -352,9 +374,11 @@ class _ReplayGuard:
     """No grad, no autocast (ops were recorded after it), the caller's RNG put back: the
     global generators' and the explicit ``generators`` the block drew from."""
 
-    def __init__(self, device_type: str | None, generators: Any = ()) -> None:
+    def __init__(self, device_type: str | None, generators: Any = (),
+                 device_indices: Any = ()) -> None:
         self.device_type = device_type
         self.generators = generators
+        self.device_indices = device_indices  # besides the current device
 
     def __enter__(self) -> None:
         self.grad = torch.is_grad_enabled()
@@ -366,19 +390,19 @@ class _ReplayGuard:
             a.__enter__()
         self.cpu_rng = torch.get_rng_state()
         self.gen_states = [(g, g.get_state()) for g in self.generators]
-        self.dev_rng = None
+        self.dev_rng: list[tuple[Any, int, torch.Tensor]] = []
         if self.device_type is not None:
             mod = torch.get_device_module(self.device_type)
             if mod.is_initialized():
-                self.dev_rng = (mod, mod.get_rng_state())
+                indices = {mod.current_device(), *self.device_indices}
+                self.dev_rng = [(mod, i, mod.get_rng_state(i)) for i in indices]
 
     def __exit__(self, *exc: Any) -> None:
         torch.set_rng_state(self.cpu_rng)
         for g, state in self.gen_states:
             g.set_state(state)
-        if self.dev_rng is not None:
-            mod, state = self.dev_rng
-            mod.set_rng_state(state)
+        for mod, i, state in self.dev_rng:
+            mod.set_rng_state(state, i)
         for a in reversed(self.autocast):
             a.__exit__(None, None, None)
         torch.set_grad_enabled(self.grad)

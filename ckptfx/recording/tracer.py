@@ -46,6 +46,7 @@ from ckptfx.recording.packs import PackSide, residual_unpack_hook
 from ckptfx.recording.segment import (
     BLOCK_START,
     CPU_DEFAULT,
+    DEVICE_BLOCK_START,
     RecordedOp,
     Segment,
     flatten_tree,
@@ -116,8 +117,10 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         """What random op ``index`` replays its generators from (segment.py Rule 3b): nothing
         when the random op before it drew from the same generators and nothing else drew from
         them in between (the replay runs that op first and continues from where it left them),
-        ``BLOCK_START`` for the block's first draw from the CPU generator (the frame
-        captured that state when the block started), else the states themselves."""
+        ``BLOCK_START`` for the block's first draw from the CPU generator and
+        ``(DEVICE_BLOCK_START, index)`` for its first draw from a device's default generator
+        (the frame captured those states when the block started), else the states
+        themselves."""
         if gens:
             keys: frozenset[Hashable] = frozenset(id(g) for g in gens)
         else:
@@ -134,9 +137,18 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
             if p is not None and self.draw_keys[p] == keys:
                 self.seg.rng_prev[index] = p
                 return None
-            if (p is None and keys == CPU_DEFAULT and self.frame.env.cpu_rng is not None):
-                return BLOCK_START
-        return rng_states(device, gens)
+            if p is None:
+                env = self.frame.env
+                if keys == CPU_DEFAULT and env.cpu_rng is not None:
+                    return BLOCK_START
+                (key,) = keys if len(keys) == 1 else (None,)
+                if (isinstance(key, tuple) and key[1] == env.device_type
+                        and any(i == key[2] for i, _ in env.device_rng)):
+                    return (DEVICE_BLOCK_START, key[2])
+        states = rng_states(device, gens)
+        if states[1] is not None:
+            self.seg.rng_devices.add(states[1][1])
+        return states
 
     def _new_slot(self, producer: int, base: int | None, root: bool = False) -> int:
         seg = self.seg
