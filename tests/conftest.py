@@ -23,8 +23,9 @@ import fake_device  # noqa: E402  (tests/ is on sys.path, as for models.py)
 if torch.accelerator.current_accelerator() is None and os.environ.get("CKPTFX_FAKE_DEVICE") != "0":
     fake_device.register()
 ACCELERATOR: torch.device | None = torch.accelerator.current_accelerator()
-NO_ACCELERATOR_REASON = (fake_device.UNAVAILABLE if fake_device.UNAVAILABLE is not None
-                         else "no accelerator (CKPTFX_FAKE_DEVICE=0)")
+NO_ACCELERATOR_REASON = (
+    "no accelerator (CKPTFX_FAKE_DEVICE=0 keeps the fake one out)"
+    if os.environ.get("CKPTFX_FAKE_DEVICE") == "0" else str(fake_device.UNAVAILABLE))
 
 # Where device-sensitive tests run: the CPU, where autograd runs the backward on the caller's
 # thread, and the accelerator, where it runs on autograd's device threads (skipped, with the
@@ -38,6 +39,16 @@ DEVICES = [
     ),
 ]
 needs_accelerator = pytest.mark.skipif(ACCELERATOR is None, reason=NO_ACCELERATOR_REASON)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move everything alive after collection (modules, torch, the collected tests) out of the
+    collector's sight: the many ``gc.collect()`` of the leak and session tests then scan only
+    what the tests made, not the whole of torch each time."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(params=DEVICES)
@@ -117,10 +128,10 @@ def grads(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
 
 
 @contextlib.contextmanager
-def maybe_autocast(enabled: bool) -> Iterator[None]:
-    """CPU bf16 autocast when ``enabled``, else nothing."""
+def maybe_autocast(enabled: bool, device: torch.device | str = "cpu") -> Iterator[None]:
+    """bf16 autocast on ``device``'s type (the CPU by default) when ``enabled``, else nothing."""
     if enabled:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             yield
     else:
         yield

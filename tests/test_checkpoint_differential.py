@@ -11,9 +11,8 @@ right.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import optree
 import pytest
@@ -23,7 +22,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import ckptfx
-from conftest import VARIANTS, Counted, assert_bitwise, checkpoint_fn, grads, run_variant
+from conftest import (VARIANTS, Counted, assert_bitwise, checkpoint_fn, grads, maybe_autocast,
+                      run_variant)
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -39,16 +39,6 @@ D = 8  # feature size: small on purpose
 def _x(*shape: int, device: torch.device) -> torch.Tensor:
     """A leaf on ``device``, drawn on the CPU (the same numbers on every device)."""
     return torch.randn(*shape).to(device).requires_grad_()
-
-
-@contextlib.contextmanager
-def maybe_autocast(enabled: bool, device: torch.device) -> Iterator[None]:
-    """bf16 autocast on ``device`` when ``enabled``, else nothing."""
-    if enabled:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            yield
-    else:
-        yield
 
 
 def _rng_state(device: torch.device) -> list[torch.Tensor]:

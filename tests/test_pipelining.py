@@ -4,6 +4,12 @@ gloo, world size 1, two stages on the rank. Each schedule runs two steps, each c
 counter inside each block) and its gradients compared bit for bit with the same schedule on
 torch's stage without checkpointing, with dropout in the blocks. The first step includes
 torch's metadata inference (one forward of each stage, with or without checkpointing).
+
+Every test takes the ``device`` fixture: the stages, their modules and the batches are on the
+CPU or on the accelerator, where autograd runs I and W on its device threads. Both stages are
+on the one rank, so torch's schedules hand activations and gradients from stage to stage
+locally (``set_local_fwd_input``/``set_local_bwd_input``): no tensor goes through gloo, and
+the group only has to exist.
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ SCHEDULES = [
 
 
 def run(
-    schedule: type, variant: str, stage_cls: type, static: bool = False, detail: bool = False
+    schedule: type, variant: str, stage_cls: type, device: torch.device, static: bool = False,
+    detail: bool = False,
 ) -> tuple[list[list[list[int]]], list[list]]:
     """Two steps; per step the runs of each block ([stage][block]) and the gradients.
 
@@ -66,18 +73,18 @@ def run(
     ``detail``: the stages validate every runtime tensor (as under TORCH_DISTRIBUTED_DEBUG=DETAIL).
     """
     torch.manual_seed(0)
-    chunks = [Chunk(variant) for _ in range(2)]
+    chunks = [Chunk(variant).to(device) for _ in range(2)]
     stages = []
     for i, c in enumerate(chunks):
         meta = {}
         if static:
-            meta = dict(input_args=torch.empty(2, D, requires_grad=i > 0),
-                        output_args=torch.empty(2, D, requires_grad=True))
-        stages.append(stage_cls(c, i, 2, torch.device("cpu"), **meta))
+            meta = dict(input_args=torch.empty(2, D, device=device, requires_grad=i > 0),
+                        output_args=torch.empty(2, D, device=device, requires_grad=True))
+        stages.append(stage_cls(c, i, 2, device, **meta))
         if detail:
             stages[-1]._runtime_validate = True
     sched = schedule(stages, n_microbatches=MB, loss_fn=lambda o, t: (o - t).square().mean())
-    x, t = torch.randn(2 * MB, D), torch.randn(2 * MB, D)
+    x, t = torch.randn(2 * MB, D).to(device), torch.randn(2 * MB, D).to(device)
     runs, grads = [], []
     for step in range(2):
         for c in chunks:
@@ -96,18 +103,19 @@ def every_block(n: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_one_replay_per_microbatch_and_bitwise_grads(schedule: type) -> None:
-    plain_runs, ref = run(schedule, "plain", TorchStage)
+def test_one_replay_per_microbatch_and_bitwise_grads(schedule: type,
+                                                     device: torch.device) -> None:
+    plain_runs, ref = run(schedule, "plain", TorchStage, device)
     # torch's metadata inference runs each stage once on the first step, checkpointed or not
     assert plain_runs == [every_block(MB + 1), every_block(MB)]
-    runs, got = run(schedule, "ckptfx", PipelineStage)
+    runs, got = run(schedule, "ckptfx", PipelineStage, device)
     # forward + one replay per micro-batch; the inference forward is never replayed
     assert runs == [every_block(2 * MB + 1), every_block(2 * MB)]
     for g, r in zip(got, ref):
         assert_bitwise(g, r)
     assert not ckptfx.recompute_session_stats()  # every session cleared after its W
 
-    torch_runs, torch_grads = run(schedule, "torch", TorchStage)
+    torch_runs, torch_grads = run(schedule, "torch", TorchStage, device)
     for g, r in zip(torch_grads, ref):
         assert_bitwise(g, r)
     # torch's stage replays the last stage's inference forward for its gradient metadata:
@@ -126,48 +134,48 @@ def test_one_replay_per_microbatch_and_bitwise_grads(schedule: type) -> None:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_static_metadata_runs_each_block_twice_per_microbatch_from_the_first_step(
-    schedule: type,
+    schedule: type, device: torch.device,
 ) -> None:
-    plain_runs, ref = run(schedule, "plain", TorchStage, static=True)
+    plain_runs, ref = run(schedule, "plain", TorchStage, device, static=True)
     assert plain_runs == [every_block(MB)] * 2  # no metadata inference
-    runs, got = run(schedule, "wrap", PipelineStage, static=True)
+    runs, got = run(schedule, "wrap", PipelineStage, device, static=True)
     assert runs == [every_block(2 * MB)] * 2
     for g, r in zip(got, ref):
         assert_bitwise(g, r)
     assert not ckptfx.recompute_session_stats()
 
 
-def test_skipped_inference_backward_infers_torchs_metadata() -> None:
+def test_skipped_inference_backward_infers_torchs_metadata(device: torch.device) -> None:
     """The gradient metadata the stage infers without the inference backward is the one
     torch's stage infers with it (same for the forward metadata)."""
     metas = []
     for variant, cls in (("plain", TorchStage), ("ckptfx", TorchStage), ("ckptfx", PipelineStage)):
         torch.manual_seed(0)
-        stages = [cls(Chunk(variant), i, 2, torch.device("cpu")) for i in range(2)]
+        stages = [cls(Chunk(variant).to(device), i, 2, device) for i in range(2)]
         sched = ScheduleZBVZeroBubble(stages, n_microbatches=MB,
                                       loss_fn=lambda o, t: (o - t).square().mean())
-        sched.step(torch.randn(2 * MB, D), target=torch.randn(2 * MB, D))
+        sched.step(torch.randn(2 * MB, D).to(device), target=torch.randn(2 * MB, D).to(device))
         metas.append([(s._stage_meta.inputs, s._stage_meta.outputs, s._stage_meta.input_grads,
                        s._stage_meta.output_grads) for s in stages])
     assert metas[0] == metas[1] == metas[2]
     assert metas[2][1][2][0] is not None  # the last stage's input gradient was inferred
 
 
-def test_detailed_validation_keeps_torchs_inference_backward() -> None:
+def test_detailed_validation_keeps_torchs_inference_backward(device: torch.device) -> None:
     """Under runtime validation (which compares every gradient's stride with the inferred
     one) the stage keeps torch's real inference backward: one replay more on the first step."""
-    _, ref = run(ScheduleZBVZeroBubble, "plain", TorchStage)
-    runs, got = run(ScheduleZBVZeroBubble, "ckptfx", PipelineStage, detail=True)
+    _, ref = run(ScheduleZBVZeroBubble, "plain", TorchStage, device)
+    runs, got = run(ScheduleZBVZeroBubble, "ckptfx", PipelineStage, device, detail=True)
     assert runs == [[[2 * MB + 1] * 2, [2 * MB + 2] * 2], every_block(2 * MB)]
     for g, r in zip(got, ref):
         assert_bitwise(g, r)
 
 
-def test_weight_step_memory_is_trimmed_between_i_and_w() -> None:
+def test_weight_step_memory_is_trimmed_between_i_and_w(device: torch.device) -> None:
     """Between I and W the session holds fewer replayed bytes than after prefire."""
     torch.manual_seed(0)
-    chunks = [Chunk("ckptfx") for _ in range(2)]
-    stages = [PipelineStage(c, i, 2, torch.device("cpu")) for i, c in enumerate(chunks)]
+    chunks = [Chunk("ckptfx").to(device) for _ in range(2)]
+    stages = [PipelineStage(c, i, 2, device) for i, c in enumerate(chunks)]
     seen: list[tuple[int, int]] = []
     stage = stages[1]
     orig_w = stage.backward_weight_one_chunk
@@ -181,7 +189,7 @@ def test_weight_step_memory_is_trimmed_between_i_and_w() -> None:
     stage.backward_weight_one_chunk = spy_w  # type: ignore[method-assign]
     sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=MB,
                                           loss_fn=lambda o, t: (o - t).square().mean())
-    sched.step(torch.randn(2 * MB, D), target=torch.randn(2 * MB, D))
+    sched.step(torch.randn(2 * MB, D).to(device), target=torch.randn(2 * MB, D).to(device))
     assert len(seen) == MB
     # Per block after prefire: fc1 input+weight, tanh output, dropout mask, fc2 input+weight;
     # after I only the matmul inputs and weights are left, and of those only fc2's input costs

@@ -14,7 +14,7 @@ import contextlib
 import gc
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ from torch.profiler import profile
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
-from conftest import OpCounter, assert_bitwise, grads
+from conftest import OpCounter, assert_bitwise, grads, maybe_autocast
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -82,16 +82,6 @@ class Layer(nn.Module):
 def make_stack(device: torch.device) -> nn.ModuleList:
     torch.manual_seed(0)
     return nn.ModuleList(Layer() for _ in range(LAYERS)).to(device)
-
-
-@contextlib.contextmanager
-def maybe_autocast(enabled: bool, device: torch.device) -> Iterator[None]:
-    """bf16 autocast on ``device`` when ``enabled``, else nothing."""
-    if enabled:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            yield
-    else:
-        yield
 
 
 def _input(device: torch.device) -> torch.Tensor:

@@ -2,8 +2,10 @@
 use), clear, stats.
 
 Every test counts block runs with a counter inside the block and compares gradients bitwise
-(``torch.equal``) with the same computation without checkpointing, in fp32 and under CPU bf16
-autocast, with dropout.
+(``torch.equal``) with the same computation without checkpointing, in fp32 and under bf16
+autocast, with dropout. Those that run a backward do so on the CPU and on the accelerator under
+test (conftest's ``device``), where autograd runs it on its device threads; the argument checks
+run on the CPU only.
 """
 
 from __future__ import annotations
@@ -50,15 +52,16 @@ class FallibleBlock(Block):
         self.note_run()
         if self.runs in self.fail_on:
             raise RuntimeError(f"block failed on run {self.runs}")
-        keep = torch.rand(x.shape[0], 1) > 0.1  # a second, explicit dropout-like mask
+        keep = torch.rand(x.shape[0], 1, device=x.device) > 0.1  # a second, dropout-like mask
         self.seen.append(weakref.ref(keep))
         h = self.fc1(x) * keep
         return x + self.fc2(F.dropout(F.gelu(h), self.p, self.training))
 
 
-def make_blocks(n: int = 2, seed: int = 0) -> list[FallibleBlock]:
+def make_blocks(n: int = 2, seed: int = 0, device: torch.device | str = "cpu"
+                ) -> list[FallibleBlock]:
     torch.manual_seed(seed)
-    return [FallibleBlock().train() for _ in range(n)]
+    return [FallibleBlock().train().to(device) for _ in range(n)]
 
 
 def params_of(blocks: list[FallibleBlock]) -> list[torch.Tensor]:
@@ -74,9 +77,10 @@ def reset_runs(blocks: list[FallibleBlock]) -> None:
         b.runs = 0
 
 
-def autocast_ctx(dtype: torch.dtype | None) -> Any:
-    return torch.autocast("cpu", dtype=dtype) if dtype is not None else torch.autocast(
-        "cpu", enabled=False)
+def autocast_ctx(dtype: torch.dtype | None, device: torch.device) -> Any:
+    """Autocast to ``dtype`` on ``device``'s type, or autocast disabled there (None)."""
+    return (torch.autocast(device.type, dtype=dtype) if dtype is not None
+            else torch.autocast(device.type, enabled=False))
 
 
 def run_stack(blocks: list[FallibleBlock], x: torch.Tensor, mode: str, **kw: Any) -> torch.Tensor:
@@ -90,10 +94,12 @@ def run_stack(blocks: list[FallibleBlock], x: torch.Tensor, mode: str, **kw: Any
     return x
 
 
-def inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(seed: int = 1, device: torch.device | str = "cpu"
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input (a leaf requiring grad) and the output gradient, on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, D, generator=g).requires_grad_()
-    gout = torch.randn(B, D, generator=g)
+    x = torch.randn(B, D, generator=g).to(device).requires_grad_()
+    gout = torch.randn(B, D, generator=g).to(device)
     return x, gout
 
 
@@ -101,7 +107,7 @@ def reference(blocks: list[FallibleBlock], x: torch.Tensor, gout: torch.Tensor,
               dtype: torch.dtype | None, seed: int = 1234) -> list[torch.Tensor]:
     """dx and every dw of the stack without checkpointing."""
     torch.manual_seed(seed)
-    with autocast_ctx(dtype):
+    with autocast_ctx(dtype, x.device):
         out = run_stack(blocks, x, "plain")
     return list(torch.autograd.grad(out, [x, *params_of(blocks)], gout))
 
@@ -119,7 +125,7 @@ def split_step(blocks: list[FallibleBlock], x: torch.Tensor, gout: torch.Tensor,
     params = params_of(blocks)
     torch.manual_seed(seed)
     with ckptfx.recompute_handle_collector_ctx() as handles:
-        with autocast_ctx(dtype):
+        with autocast_ctx(dtype, x.device):
             out = run_stack(blocks, x, "ckptfx", **ckpt_kw)
     assert len(handles) == len(blocks)
     try:
@@ -144,9 +150,9 @@ def split_step(blocks: list[FallibleBlock], x: torch.Tensor, gout: torch.Tensor,
 
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
-def test_one_replay_prefire_dx_dw(dtype: torch.dtype | None) -> None:
-    blocks = make_blocks(1)
-    x, gout = inputs()
+def test_one_replay_prefire_dx_dw(device: torch.device, dtype: torch.dtype | None) -> None:
+    blocks = make_blocks(1, device=device)
+    x, gout = inputs(device=device)
     want = reference(blocks, x, gout, dtype)
     reset_runs(blocks)
     got = split_step(blocks, x, gout, "mb0", dtype=dtype)
@@ -155,9 +161,11 @@ def test_one_replay_prefire_dx_dw(dtype: torch.dtype | None) -> None:
 
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
-def test_several_frames_and_dw_per_parameter_share_one_replay(dtype: torch.dtype | None) -> None:
-    blocks = make_blocks(3)
-    x, gout = inputs()
+def test_several_frames_and_dw_per_parameter_share_one_replay(device: torch.device,
+                                                              dtype: torch.dtype | None
+                                                              ) -> None:
+    blocks = make_blocks(3, device=device)
+    x, gout = inputs(device=device)
     want = reference(blocks, x, gout, dtype)
     reset_runs(blocks)
     got = split_step(blocks, x, gout, ("stage0", 0), dtype=dtype, per_param=True)
@@ -165,10 +173,10 @@ def test_several_frames_and_dw_per_parameter_share_one_replay(dtype: torch.dtype
     assert_equal(got, want)
 
 
-def test_torch_native_split_replays_per_call() -> None:
+def test_torch_native_split_replays_per_call(device: torch.device) -> None:
     """The problem being solved: torch replays once per backward call (1 + 1 + k)."""
-    blocks = make_blocks(1)
-    x, gout = inputs()
+    blocks = make_blocks(1, device=device)
+    x, gout = inputs(device=device)
     params = params_of(blocks)
     out = run_stack(blocks, x, "torch")
     torch.autograd.grad(out, x, gout, retain_graph=True)
@@ -184,16 +192,17 @@ def _mm_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
-def test_sac_context_fn_cache_consumed_once_by_prefire(dtype: torch.dtype | None) -> None:
+def test_sac_context_fn_cache_consumed_once_by_prefire(device: torch.device,
+                                                      dtype: torch.dtype | None) -> None:
     context_fn = functools.partial(tcp.create_selective_checkpoint_contexts, _mm_policy)
-    blocks = make_blocks(2)
-    x, gout = inputs()
+    blocks = make_blocks(2, device=device)
+    x, gout = inputs(device=device)
     want = reference(blocks, x, gout, dtype)
 
     # torch: a split backward over SAC replays twice and the second replay finds the cache
     # consumed.
     torch.manual_seed(1234)
-    with autocast_ctx(dtype):
+    with autocast_ctx(dtype, device):
         out = run_stack(blocks, x, "torch", context_fn=context_fn)
     torch.autograd.grad(out, x, gout, retain_graph=True)
     with pytest.raises(RuntimeError, match="backward an extra time"):
@@ -203,7 +212,7 @@ def test_sac_context_fn_cache_consumed_once_by_prefire(dtype: torch.dtype | None
     params = params_of(blocks)
     torch.manual_seed(1234)
     with ckptfx.recompute_handle_collector_ctx() as handles:
-        with autocast_ctx(dtype):
+        with autocast_ctx(dtype, device):
             out = run_stack(blocks, x, "ckptfx", context_fn=context_fn)
     try:
         for h in handles:
@@ -232,15 +241,24 @@ class MaskBlock(nn.Module):
         self.masks: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = (torch.rand(x.shape) > 0.5).to(x.dtype)
+        mask = (torch.rand(x.shape, device=x.device) > 0.5).to(x.dtype)
         self.masks.append(mask)
         return self.fc(x * mask)
 
 
-def test_prefire_keeps_caller_rng_and_replays_forward_masks() -> None:
+def rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The CPU generator's state, and the device generator's where ``device`` is not the CPU
+    (the masks of a block on the device are drawn from the latter)."""
+    states = [torch.get_rng_state()]
+    if device.type != "cpu":
+        states.append(torch.get_device_module(device.type).get_rng_state(device))
+    return states
+
+
+def test_prefire_keeps_caller_rng_and_replays_forward_masks(device: torch.device) -> None:
     torch.manual_seed(0)
-    block = MaskBlock()
-    x, gout = inputs()
+    block = MaskBlock().to(device)
+    x, gout = inputs(device=device)
     torch.manual_seed(7)
     out_plain = block(x)
     want = torch.autograd.grad(out_plain, [x, *block.parameters()], gout)
@@ -249,39 +267,40 @@ def test_prefire_keeps_caller_rng_and_replays_forward_masks() -> None:
     torch.manual_seed(7)
     with ckptfx.recompute_handle_collector_ctx() as handles:
         out = ckptfx.checkpoint(block, x)
-    torch.rand(3)  # the caller moves on
-    before = torch.get_rng_state()
+    torch.rand(3, device=device)  # the caller moves on
+    before = rng_states(device)
     try:
         ckptfx.recompute_handle(handles[0], "rng")
-        assert torch.equal(torch.get_rng_state(), before)
+        assert all(map(torch.equal, rng_states(device), before))
         assert len(block.masks) == 2 and torch.equal(block.masks[0], block.masks[1])
         with ckptfx.recompute_session_ctx("rng", retain_on_unpack=False):
             got = torch.autograd.grad(out, [x, *block.parameters()], gout)
     finally:
         ckptfx.clear_recompute_session("rng")
-    assert torch.equal(torch.get_rng_state(), before)
+    assert all(map(torch.equal, rng_states(device), before))
     assert len(block.masks) == 2
     assert_equal(list(got), list(want))
 
 
 @pytest.mark.parametrize("prefire_ctx", ["outside", "disabled"])
-def test_prefire_outside_autocast_replays_in_forward_dtype(prefire_ctx: str) -> None:
-    blocks = make_blocks(2)
-    x, gout = inputs()
+def test_prefire_outside_autocast_replays_in_forward_dtype(device: torch.device,
+                                                          prefire_ctx: str) -> None:
+    blocks = make_blocks(2, device=device)
+    x, gout = inputs(device=device)
     want = reference(blocks, x, gout, torch.bfloat16)
     reset_runs(blocks)
     params = params_of(blocks)
     torch.manual_seed(1234)
     with ckptfx.recompute_handle_collector_ctx() as handles:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             out = run_stack(blocks, x, "ckptfx")
     try:
-        ctx = (torch.autocast("cpu", enabled=False) if prefire_ctx == "disabled"
-               else autocast_ctx(None))
+        ctx = (torch.autocast(device.type, enabled=False) if prefire_ctx == "disabled"
+               else autocast_ctx(None, device))
         with ctx:
             for h in handles:
                 ckptfx.recompute_handle(h, "amp")
-        assert not torch.is_autocast_enabled("cpu")
+        assert not torch.is_autocast_enabled(device.type)
         with ckptfx.recompute_session_ctx("amp", retain_on_unpack=True):
             got = list(torch.autograd.grad(out, x, gout, retain_graph=True))
         with ckptfx.recompute_session_ctx("amp", retain_on_unpack=False):
@@ -298,16 +317,17 @@ def test_prefire_outside_autocast_replays_in_forward_dtype(prefire_ctx: str) -> 
 
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
-def test_interleaved_microbatches_are_isolated(dtype: torch.dtype | None) -> None:
-    blocks = make_blocks(2)
+def test_interleaved_microbatches_are_isolated(device: torch.device,
+                                              dtype: torch.dtype | None) -> None:
+    blocks = make_blocks(2, device=device)
     params = params_of(blocks)
-    mbs = [inputs(seed) for seed in (11, 12, 13)]
+    mbs = [inputs(seed, device=device) for seed in (11, 12, 13)]
     # Reference: the three forwards in the same order (same dropout masks), plain.
     torch.manual_seed(99)
     want = []
     outs = []
     for x, _ in mbs:
-        with autocast_ctx(dtype):
+        with autocast_ctx(dtype, device):
             outs.append(run_stack(blocks, x, "plain"))
     for (x, g), out in zip(mbs, outs):
         want.append(list(torch.autograd.grad(out, [x, *params], g)))
@@ -318,7 +338,7 @@ def test_interleaved_microbatches_are_isolated(dtype: torch.dtype | None) -> Non
 
     def fwd(i: int) -> None:
         with ckptfx.recompute_handle_collector_ctx() as handles:
-            with autocast_ctx(dtype):
+            with autocast_ctx(dtype, device):
                 outs[i] = run_stack(blocks, mbs[i][0], "ckptfx")
         for h in handles:
             ckptfx.recompute_handle(h, ("mb", i))
@@ -350,9 +370,9 @@ def test_interleaved_microbatches_are_isolated(dtype: torch.dtype | None) -> Non
     assert ckptfx.recompute_session_stats() == {}
 
 
-def test_frame_reused_by_new_session_after_clear() -> None:
-    blocks = make_blocks(2)
-    x, gout = inputs()
+def test_frame_reused_by_new_session_after_clear(device: torch.device) -> None:
+    blocks = make_blocks(2, device=device)
+    x, gout = inputs(device=device)
     want = reference(blocks, x, gout, None)
     reset_runs(blocks)
     params = params_of(blocks)
@@ -383,9 +403,9 @@ def _collect_forward(blocks: list[FallibleBlock], x: torch.Tensor) -> tuple[torc
     return out, handles
 
 
-def test_failed_prefire_then_clear_frames_work_natively() -> None:
-    blocks = make_blocks(2)
-    x, gout = inputs()
+def test_failed_prefire_then_clear_frames_work_natively(device: torch.device) -> None:
+    blocks = make_blocks(2, device=device)
+    x, gout = inputs(device=device)
     want = reference(blocks, x, gout, None)
     reset_runs(blocks)
     blocks[1].fail_on = {2}  # the prefire of the second block raises
@@ -401,9 +421,9 @@ def test_failed_prefire_then_clear_frames_work_natively() -> None:
 
 
 @pytest.mark.parametrize("clear_first", [True, False])
-def test_retry_after_failed_prefire(clear_first: bool) -> None:
-    blocks = make_blocks(2)
-    x, gout = inputs()
+def test_retry_after_failed_prefire(device: torch.device, clear_first: bool) -> None:
+    blocks = make_blocks(2, device=device)
+    x, gout = inputs(device=device)
     want = reference(blocks, x, gout, None)
     reset_runs(blocks)
     blocks[0].fail_on = {2}
@@ -425,9 +445,9 @@ def test_retry_after_failed_prefire(clear_first: bool) -> None:
     assert runs_of(blocks) == [3, 2]
 
 
-def test_failed_dx_then_clear_frames_work_again() -> None:
-    blocks = make_blocks(1)
-    x, gout = inputs()
+def test_failed_dx_then_clear_frames_work_again(device: torch.device) -> None:
+    blocks = make_blocks(1, device=device)
+    x, gout = inputs(device=device)
     want = reference(blocks, x, gout, None)
     reset_runs(blocks)
     out, handles = _collect_forward(blocks, x)
@@ -445,9 +465,9 @@ def test_failed_dx_then_clear_frames_work_again() -> None:
     assert runs_of(blocks) == [3]
 
 
-def test_no_replayed_tensor_alive_after_clear() -> None:
-    blocks = make_blocks(2)
-    x, gout = inputs()
+def test_no_replayed_tensor_alive_after_clear(device: torch.device) -> None:
+    blocks = make_blocks(2, device=device)
+    x, gout = inputs(device=device)
     out, handles = _collect_forward(blocks, x)
     forward_hidden = [b.seen[-1] for b in blocks]
     assert all(r() is None for r in forward_hidden)  # checkpointed: not saved
@@ -472,10 +492,10 @@ def test_no_replayed_tensor_alive_after_clear() -> None:
     assert all(h.frame is None for h in handles)
 
 
-def test_uncleared_session_vanishes_with_its_graph() -> None:
+def test_uncleared_session_vanishes_with_its_graph(device: torch.device) -> None:
     """No unbounded registry: a session never cleared goes when its frames go."""
-    blocks = make_blocks(2)
-    x, gout = inputs()
+    blocks = make_blocks(2, device=device)
+    x, gout = inputs(device=device)
     for mb in range(3):
         out, handles = _collect_forward(blocks, x)
         for h in handles:
@@ -490,9 +510,9 @@ def test_uncleared_session_vanishes_with_its_graph() -> None:
         assert ckptfx.recompute_session_stats() == {}
 
 
-def test_uncleared_lazy_session_vanishes_with_its_graph() -> None:
-    blocks = make_blocks(1)
-    x, gout = inputs()
+def test_uncleared_lazy_session_vanishes_with_its_graph(device: torch.device) -> None:
+    blocks = make_blocks(1, device=device)
+    x, gout = inputs(device=device)
     out, _ = _collect_forward(blocks, x)
     with ckptfx.recompute_session_ctx("lazy-leak", retain_on_unpack=True):
         torch.autograd.grad(out, x, gout, retain_graph=True)
@@ -509,9 +529,10 @@ def test_uncleared_lazy_session_vanishes_with_its_graph() -> None:
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
 @pytest.mark.parametrize("per_param", [False, True])
-def test_lazy_session_shares_one_replay(dtype: torch.dtype | None, per_param: bool) -> None:
-    blocks = make_blocks(2)
-    x, gout = inputs()
+def test_lazy_session_shares_one_replay(device: torch.device, dtype: torch.dtype | None,
+                                       per_param: bool) -> None:
+    blocks = make_blocks(2, device=device)
+    x, gout = inputs(device=device)
     want = reference(blocks, x, gout, dtype)
     reset_runs(blocks)
     got = split_step(blocks, x, gout, "lazy", dtype=dtype, prefire=False, per_param=per_param)
@@ -520,11 +541,11 @@ def test_lazy_session_shares_one_replay(dtype: torch.dtype | None, per_param: bo
 
 
 @pytest.mark.parametrize("prefire", [True, False])
-def test_forward_inside_active_session(prefire: bool) -> None:
+def test_forward_inside_active_session(device: torch.device, prefire: bool) -> None:
     """Overlapped F and B (DualPipeV): forward of mb1 inside mb0's session contexts."""
-    blocks = make_blocks(2)
+    blocks = make_blocks(2, device=device)
     params = params_of(blocks)
-    (x0, g0), (x1, g1) = inputs(21), inputs(22)
+    (x0, g0), (x1, g1) = inputs(21, device=device), inputs(22, device=device)
     torch.manual_seed(5)
     o0, o1 = run_stack(blocks, x0, "plain"), run_stack(blocks, x1, "plain")
     want0 = list(torch.autograd.grad(o0, [x0, *params], g0))
@@ -564,16 +585,17 @@ def test_forward_inside_active_session(prefire: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
-def test_without_session_split_replays_like_torch(dtype: torch.dtype | None) -> None:
-    blocks = make_blocks(1)
-    x, gout = inputs()
+def test_without_session_split_replays_like_torch(device: torch.device,
+                                                 dtype: torch.dtype | None) -> None:
+    blocks = make_blocks(1, device=device)
+    x, gout = inputs(device=device)
     params = params_of(blocks)
     want = reference(blocks, x, gout, dtype)
     results = {}
     for mode in ("torch", "ckptfx"):
         reset_runs(blocks)
         torch.manual_seed(1234)
-        with autocast_ctx(dtype):
+        with autocast_ctx(dtype, device):
             out = run_stack(blocks, x, mode)
         got = list(torch.autograd.grad(out, x, gout, retain_graph=True))
         got += torch.autograd.grad(out, params, gout)
@@ -582,11 +604,11 @@ def test_without_session_split_replays_like_torch(dtype: torch.dtype | None) -> 
     assert results["ckptfx"] == results["torch"] == [3]
 
 
-def test_nested_checkpoints_work_natively_like_torch() -> None:
+def test_nested_checkpoints_work_natively_like_torch(device: torch.device) -> None:
     torch.manual_seed(0)
-    inner, outer_lin = FallibleBlock(), nn.Linear(D, D)
+    inner, outer_lin = FallibleBlock().to(device), nn.Linear(D, D).to(device)
     calls = {"outer": 0}
-    x, gout = inputs()
+    x, gout = inputs(device=device)
 
     def make_outer(ckpt: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         def outer(t: torch.Tensor) -> torch.Tensor:
@@ -615,9 +637,11 @@ def test_nested_checkpoints_work_natively_like_torch() -> None:
 # and stay single use (a second entry is an error that leaves nothing behind).
 
 
-def _counted_block(counter: list[int]
+def _counted_block(counter: list[int], device: torch.device | str = "cpu"
                    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
-    w = torch.randn(6, 6, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    """A block counting its runs in ``counter[0]``, and its weight (a leaf on ``device``)."""
+    w = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)).to(device)
+    w.requires_grad_()
 
     def block(x: torch.Tensor) -> torch.Tensor:
         counter[0] += 1
@@ -627,10 +651,10 @@ def _counted_block(counter: list[int]
 
 
 # Found in review of the session context managers as classes (was test_review_regressions_3.py).
-def test_session_context_works_as_a_decorator_once_per_call() -> None:
+def test_session_context_works_as_a_decorator_once_per_call(device: torch.device) -> None:
     calls = [0]
-    block, w = _counted_block(calls)
-    x = torch.randn(3, 6, requires_grad=True)
+    block, w = _counted_block(calls, device)
+    x = torch.randn(3, 6, device=device, requires_grad=True)
     expected = torch.autograd.grad(block(x).sum(), [x, w])
     calls[0] = 0
 
@@ -736,9 +760,9 @@ def test_nested_session_ctx_rejected(inner_id: str) -> None:
         pass
 
 
-def test_two_sessions_on_one_frame_rejected_naming_both() -> None:
-    blocks = make_blocks(1)
-    x, gout = inputs()
+def test_two_sessions_on_one_frame_rejected_naming_both(device: torch.device) -> None:
+    blocks = make_blocks(1, device=device)
+    x, gout = inputs(device=device)
     out, handles = _collect_forward(blocks, x)
     try:
         ckptfx.recompute_handle(handles[0], "first-id")
@@ -760,14 +784,14 @@ def test_two_sessions_on_one_frame_rejected_naming_both() -> None:
     assert blocks[0].runs == 3
 
 
-def test_checkpoint_created_during_scheduled_replay_rejected() -> None:
+def test_checkpoint_created_during_scheduled_replay_rejected(device: torch.device) -> None:
     torch.manual_seed(0)
-    inner = FallibleBlock()
+    inner = FallibleBlock().to(device)
 
     def outer(t: torch.Tensor) -> torch.Tensor:
         return ckptfx.checkpoint(inner, t.sin()).cos()
 
-    x, gout = inputs()
+    x, gout = inputs(device=device)
     with ckptfx.recompute_handle_collector_ctx() as handles:
         out = ckptfx.checkpoint(outer, x)
     assert len(handles) == 2 and handles[1].frame.fn is inner
@@ -781,9 +805,9 @@ def test_checkpoint_created_during_scheduled_replay_rejected() -> None:
     torch.autograd.grad(out, x, gout)
 
 
-def test_second_consumer_after_retain_false_is_clear_error() -> None:
-    blocks = make_blocks(1)
-    x, gout = inputs()
+def test_second_consumer_after_retain_false_is_clear_error(device: torch.device) -> None:
+    blocks = make_blocks(1, device=device)
+    x, gout = inputs(device=device)
     out, handles = _collect_forward(blocks, x)
     try:
         ckptfx.recompute_handle(handles[0], "once")
@@ -816,8 +840,8 @@ def _sin_exp(t: torch.Tensor) -> torch.Tensor:
     return (t * 2).sin().exp()
 
 
-def test_session_stats_report_frames_tensors_bytes() -> None:
-    x, gout = inputs()
+def test_session_stats_report_frames_tensors_bytes(device: torch.device) -> None:
+    x, gout = inputs(device=device)
     with ckptfx.recompute_handle_collector_ctx() as handles:
         out = ckptfx.checkpoint(_sin_exp, ckptfx.checkpoint(_sin_exp, x))
     size = x.numel() * x.element_size()
@@ -858,12 +882,13 @@ def _aliasing_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("prefire", [True, False])
-def test_session_stats_leave_out_replayed_views_of_inputs_and_parameters(prefire: bool
+def test_session_stats_leave_out_replayed_views_of_inputs_and_parameters(device: torch.device,
+                                                                          prefire: bool
                                                                           ) -> None:
     # The first session replay of a frame notes which saved tensors alias an input or a
     # parameter (a view or the tensor itself): they hold no memory of the replay's own.
-    x = torch.randn(4, 8, requires_grad=True)
-    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    w = torch.randn(8, 8, device=device, requires_grad=True)
     with ckptfx.recompute_handle_collector_ctx() as handles:
         out = ckptfx.checkpoint(_aliasing_block, x, w)
     try:

@@ -4,6 +4,9 @@ Autograd may unpack saved tensors on a thread that never saw the caller's contex
 NPU device threads do). Here dx and dw run in fresh ``threading.Thread``s (no context copied),
 and the session must still be found: two block runs, gradients bitwise equal to no checkpoint.
 One session context entered on two threads at once refuses the second entry.
+
+Each backward test runs on the CPU and on the accelerator under test (conftest's ``device``),
+where autograd runs the backward on its own device thread, not on the thread that called it.
 """
 
 from __future__ import annotations
@@ -37,18 +40,19 @@ class ThreadNotingBlock(Block):
             self.threads.append(threading.current_thread().name)
 
 
-def make_blocks(n: int = 2) -> list[ThreadNotingBlock]:
+def make_blocks(n: int = 2, device: torch.device | str = "cpu") -> list[ThreadNotingBlock]:
     torch.manual_seed(0)
-    return [ThreadNotingBlock().train() for _ in range(n)]
+    return [ThreadNotingBlock().train().to(device) for _ in range(n)]
 
 
 def params_of(blocks: list[ThreadNotingBlock]) -> list[torch.Tensor]:
     return [p for b in blocks for p in b.parameters()]
 
 
-def autocast_ctx(dtype: torch.dtype | None) -> Any:
-    return (torch.autocast("cpu", dtype=dtype) if dtype is not None
-            else torch.autocast("cpu", enabled=False))
+def autocast_ctx(dtype: torch.dtype | None, device: torch.device) -> Any:
+    """Autocast to ``dtype`` on ``device``'s type, or autocast disabled there (None)."""
+    return (torch.autocast(device.type, dtype=dtype) if dtype is not None
+            else torch.autocast(device.type, enabled=False))
 
 
 def run_stack(blocks: list[ThreadNotingBlock], x: torch.Tensor, ckpt: bool) -> torch.Tensor:
@@ -57,15 +61,18 @@ def run_stack(blocks: list[ThreadNotingBlock], x: torch.Tensor, ckpt: bool) -> t
     return x
 
 
-def inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(seed: int = 1, device: torch.device | str = "cpu"
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input (a leaf requiring grad) and the output gradient, on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, D, generator=g).requires_grad_(), torch.randn(B, D, generator=g)
+    x = torch.randn(B, D, generator=g).to(device).requires_grad_()
+    return x, torch.randn(B, D, generator=g).to(device)
 
 
 def reference(blocks: list[ThreadNotingBlock], x: torch.Tensor, g: torch.Tensor,
               dtype: torch.dtype | None = None, seed: int = 1234) -> list[torch.Tensor]:
     torch.manual_seed(seed)
-    with autocast_ctx(dtype):
+    with autocast_ctx(dtype, x.device):
         out = run_stack(blocks, x, False)
     grads = list(torch.autograd.grad(out, [x, *params_of(blocks)], g))
     for b in blocks:
@@ -77,7 +84,7 @@ def forward(blocks: list[ThreadNotingBlock], x: torch.Tensor, dtype: torch.dtype
             seed: int = 1234) -> tuple[torch.Tensor, list[ckptfx.RecomputeHandle]]:
     torch.manual_seed(seed)
     with ckptfx.recompute_handle_collector_ctx() as handles:
-        with autocast_ctx(dtype):
+        with autocast_ctx(dtype, x.device):
             out = run_stack(blocks, x, True)
     return out, handles
 
@@ -101,6 +108,18 @@ def in_thread(fn: Callable[[], Any], name: str) -> Any:
     return box["value"]
 
 
+def backward_thread(device: torch.device) -> str:
+    """The name of the thread that runs a backward started on this thread over tensors on
+    ``device``: this thread on the CPU, autograd's device thread on an accelerator."""
+    names: list[str] = []
+    t = torch.zeros(1, device=device, requires_grad=True)
+    y = t.clone()
+    y.register_hook(lambda grad: names.append(threading.current_thread().name))
+    torch.autograd.grad(y.sum(), t)
+    assert len(names) == 1
+    return names[0]
+
+
 def assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
@@ -109,11 +128,12 @@ def assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
 @pytest.mark.parametrize("per_param", [False, True])
-def test_dx_dw_in_fresh_threads_ctx_on_main(dtype: torch.dtype | None, per_param: bool) -> None:
+def test_dx_dw_in_fresh_threads_ctx_on_main(device: torch.device, dtype: torch.dtype | None,
+                                            per_param: bool) -> None:
     """The session context is opened on the main thread around thread start/join."""
-    blocks = make_blocks()
+    blocks = make_blocks(device=device)
     params = params_of(blocks)
-    x, g = inputs()
+    x, g = inputs(device=device)
     want = reference(blocks, x, g, dtype)
     out, handles = forward(blocks, x, dtype)
     sid = ("stage", 0)
@@ -138,15 +158,18 @@ def test_dx_dw_in_fresh_threads_ctx_on_main(dtype: torch.dtype | None, per_param
 
 @pytest.mark.parametrize("dtype", AUTOCAST)
 @pytest.mark.parametrize("prefire", [True, False])
-def test_thread_opens_the_session_ctx_itself(dtype: torch.dtype | None, prefire: bool) -> None:
-    blocks = make_blocks()
+def test_thread_opens_the_session_ctx_itself(device: torch.device, dtype: torch.dtype | None,
+                                             prefire: bool) -> None:
+    blocks = make_blocks(device=device)
     params = params_of(blocks)
-    x, g = inputs()
+    x, g = inputs(device=device)
     want = reference(blocks, x, g, dtype)
     out, handles = forward(blocks, x, dtype)
     sid = "mb"
+    unpacked_on: list[str] = []  # the thread dx's backward runs on, so unpacks on
 
     def dx() -> list[torch.Tensor]:
+        unpacked_on.append(backward_thread(device))
         with ckptfx.recompute_session_ctx(sid, retain_on_unpack=True):
             return list(torch.autograd.grad(out, x, g, retain_graph=True))
 
@@ -162,14 +185,18 @@ def test_thread_opens_the_session_ctx_itself(dtype: torch.dtype | None, prefire:
     finally:
         ckptfx.clear_recompute_session(sid)
     assert [b.runs for b in blocks] == [2, 2]
+    # dx's thread itself on the CPU; autograd's device thread, which has no context of its
+    # own, on an accelerator
+    assert (unpacked_on == ["dx"]) == (device.type == "cpu")
+    assert unpacked_on[0] != "MainThread"
     replayed_on = {b.threads[1] for b in blocks}
-    assert replayed_on == ({"MainThread"} if prefire else {"dx"})
+    assert replayed_on == ({"MainThread"} if prefire else set(unpacked_on))
     assert_equal(got, want)
 
 
-def test_prefire_on_one_thread_dx_on_another_dw_on_main() -> None:
-    blocks = make_blocks()
-    x, g = inputs()
+def test_prefire_on_one_thread_dx_on_another_dw_on_main(device: torch.device) -> None:
+    blocks = make_blocks(device=device)
+    x, g = inputs(device=device)
     want = reference(blocks, x, g)
     out, handles = forward(blocks, x)
     try:
@@ -186,11 +213,11 @@ def test_prefire_on_one_thread_dx_on_another_dw_on_main() -> None:
     assert_equal(got, want)
 
 
-def test_prefire_inside_open_ctx_binds_for_worker_threads() -> None:
+def test_prefire_inside_open_ctx_binds_for_worker_threads(device: torch.device) -> None:
     """Prefired while its session context is open: the frame is bound at once, so a dx on a
     thread without the context still reads the prefire (bug found: it replayed again)."""
-    blocks = make_blocks()
-    x, g = inputs()
+    blocks = make_blocks(device=device)
+    x, g = inputs(device=device)
     want = reference(blocks, x, g)
     out, handles = forward(blocks, x)
     try:
@@ -207,11 +234,11 @@ def test_prefire_inside_open_ctx_binds_for_worker_threads() -> None:
     assert_equal(got, want)
 
 
-def test_unprefired_frames_on_foreign_thread_fall_back_to_native() -> None:
+def test_unprefired_frames_on_foreign_thread_fall_back_to_native(device: torch.device) -> None:
     """Lazy discovery needs the context on the unpacking thread; without it the backward is
     torch's (one replay per call) and still exact."""
-    blocks = make_blocks()
-    x, g = inputs()
+    blocks = make_blocks(device=device)
+    x, g = inputs(device=device)
     want = reference(blocks, x, g)
     out, _ = forward(blocks, x)
     try:
@@ -226,10 +253,10 @@ def test_unprefired_frames_on_foreign_thread_fall_back_to_native() -> None:
     assert_equal(got, want)
 
 
-def test_forward_on_a_thread_while_another_thread_holds_a_session() -> None:
-    blocks = make_blocks()
+def test_forward_on_a_thread_while_another_thread_holds_a_session(device: torch.device) -> None:
+    blocks = make_blocks(device=device)
     params = params_of(blocks)
-    (x0, g0), (x1, g1) = inputs(1), inputs(2)
+    (x0, g0), (x1, g1) = inputs(1, device=device), inputs(2, device=device)
     want0 = reference(blocks, x0, g0, seed=10)
     want1 = reference(blocks, x1, g1, seed=11)
     out0, handles0 = forward(blocks, x0, seed=10)

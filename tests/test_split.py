@@ -1,8 +1,10 @@
 """vjp_split and grad_split: dx and dw as two functions sharing one replay.
 
 Every parity test compares with ``torch.autograd.grad`` of the same function without any
-checkpoint, bit for bit (``torch.equal``), in fp32 and under CPU bf16 autocast, with dropout.
-Block runs are counted by a counter inside the block.
+checkpoint, bit for bit (``torch.equal``), in fp32 and under bf16 autocast, with dropout.
+Block runs are counted by a counter inside the block. Every test runs dx and dw (the error
+tests too, between their bad calls), so every test takes the ``device`` fixture: it runs on the
+CPU and on the accelerator, where autograd runs dx and dw on its device threads.
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ class Stack(nn.Module):
             b.runs = 0
 
 
-def make_stack(variant: str = "ckptfx", n: int = 3) -> Stack:
+def make_stack(variant: str = "ckptfx", n: int = 3,
+               device: torch.device | str = "cpu") -> Stack:
     torch.manual_seed(0)
-    return Stack(n, variant)
+    return Stack(n, variant).to(device)
 
 
 def reference(stack: Stack, x: torch.Tensor, g: torch.Tensor, autocast: bool,
@@ -69,7 +72,7 @@ def reference(stack: Stack, x: torch.Tensor, g: torch.Tensor, autocast: bool,
     try:
         torch.manual_seed(seed)
         xr = x.detach().requires_grad_()
-        with maybe_autocast(autocast):
+        with maybe_autocast(autocast, x.device):
             out = stack(xr)
         return list(torch.autograd.grad(out, [xr, *stack.parameters()], g))
     finally:
@@ -77,9 +80,11 @@ def reference(stack: Stack, x: torch.Tensor, g: torch.Tensor, autocast: bool,
         stack.reset()
 
 
-def inputs(shape: tuple[int, ...] = (2, 5, D)) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(shape: tuple[int, ...] = (2, 5, D),
+           device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and the cotangent ``g``, drawn on the CPU (the same values on every device)."""
     torch.manual_seed(1)
-    return torch.randn(shape), torch.randn(shape)
+    return torch.randn(shape).to(device), torch.randn(shape).to(device)
 
 
 @pytest.fixture(params=["per_group", "whole"])
@@ -100,13 +105,14 @@ def per_group(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("autocast", AUTOCAST)
-def test_vjp_split_bitwise_and_one_replay_per_block(autocast: bool, weight_pass: str) -> None:
-    stack = make_stack()
-    x, g = inputs()
+def test_vjp_split_bitwise_and_one_replay_per_block(autocast: bool, weight_pass: str,
+                                                     device: torch.device) -> None:
+    stack = make_stack(device=device)
+    x, g = inputs(device=device)
     ref = reference(stack, x, g, autocast)
     params = list(stack.parameters())
     torch.manual_seed(7)
-    with maybe_autocast(autocast):
+    with maybe_autocast(autocast, device):
         out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params)
     assert out.grad_fn is None  # the split owns the graph
     dx = dx_fn(g)
@@ -117,10 +123,10 @@ def test_vjp_split_bitwise_and_one_replay_per_block(autocast: bool, weight_pass:
 
 
 @pytest.mark.parametrize("variant", ["plain", "torch", "ckptfx"])
-def test_differential_variants_same_grads_counted_runs(variant: str) -> None:
+def test_differential_variants_same_grads_counted_runs(variant: str, device: torch.device) -> None:
     """Same split under no checkpoint, torch's checkpoint and ckptfx: grads equal, runs differ."""
-    stack = make_stack(variant)
-    x, g = inputs()
+    stack = make_stack(variant, device=device)
+    x, g = inputs(device=device)
     ref = reference(stack, x, g, False)
     params = list(stack.parameters())
     torch.manual_seed(7)
@@ -138,10 +144,10 @@ def test_differential_variants_same_grads_counted_runs(variant: str) -> None:
         assert all(r > 2 for r in runs), runs
 
 
-def test_primals_as_pytrees_functional_params() -> None:
+def test_primals_as_pytrees_functional_params(device: torch.device) -> None:
     """vjp_split(fun, params_dict, x, x_argnums=1): dw_fn returns the dict of grads."""
-    stack = make_stack()
-    x, g = inputs()
+    stack = make_stack(device=device)
+    x, g = inputs(device=device)
     ref = reference(stack, x, g, False)
     params = dict(stack.named_parameters())
 
@@ -159,10 +165,11 @@ def test_primals_as_pytrees_functional_params() -> None:
 
 
 @pytest.mark.parametrize("autocast", AUTOCAST)
-def test_has_aux_tuple_argnums_multiple_outputs(autocast: bool) -> None:
+def test_has_aux_tuple_argnums_multiple_outputs(autocast: bool, device: torch.device) -> None:
     torch.manual_seed(0)
-    w1, w2 = torch.randn(D, H), torch.randn(H, D)  # plain tensors: differentiated anyway
-    a, b = torch.randn(3, D), torch.randn(3, D)
+    # plain tensors: differentiated anyway
+    w1, w2 = torch.randn(D, H).to(device), torch.randn(H, D).to(device)
+    a, b = torch.randn(3, D).to(device), torch.randn(3, D).to(device)
     runs = [0]
 
     def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -174,16 +181,16 @@ def test_has_aux_tuple_argnums_multiple_outputs(autocast: bool) -> None:
         y = ckptfx.checkpoint(block, h, *ws) if checkpoint else block(h, *ws)
         return (y, {"side": ws[1].sum()}), {"aux": y.detach().sum(), "n": 3}
 
-    gy, gs = torch.randn(3, D), torch.tensor(0.5)
+    gy, gs = torch.randn(3, D).to(device), torch.tensor(0.5, device=device)
     torch.manual_seed(3)
     prim = ({"a": a.requires_grad_(), "b": b.requires_grad_()},
             (w1.requires_grad_(), w2.requires_grad_()))
-    with maybe_autocast(autocast):
+    with maybe_autocast(autocast, device):
         (y, side), aux = fun(*prim, checkpoint=False)
     ref = torch.autograd.grad([y, side["side"]], [a, b, w1, w2], [gy, gs])
     runs[0] = 0
     torch.manual_seed(3)
-    with maybe_autocast(autocast):
+    with maybe_autocast(autocast, device):
         out, dx_fn, dw_fn, aux2 = ckptfx.vjp_split(fun, *prim, x_argnums=(0,), has_aux=True)
     assert aux2["n"] == 3 and torch.equal(aux2["aux"], aux["aux"])
     (dxs,) = dx_fn((gy, {"side": gs}))
@@ -192,19 +199,19 @@ def test_has_aux_tuple_argnums_multiple_outputs(autocast: bool) -> None:
     assert runs[0] == 2
 
 
-def test_inputs_not_differentiable_and_output_independent_of_inputs() -> None:
+def test_inputs_not_differentiable_and_output_independent_of_inputs(device: torch.device) -> None:
     """Token ids as x (no dx), and an output that does not depend on x: all grads in dw."""
     torch.manual_seed(0)
-    emb = nn.Embedding(10, D)
-    stack = make_stack(n=2)
-    extra = nn.Parameter(torch.randn(D))
-    ids = torch.randint(0, 10, (2, 5))
+    emb = nn.Embedding(10, D).to(device)
+    stack = make_stack(n=2, device=device)
+    extra = nn.Parameter(torch.randn(D).to(device))
+    ids = torch.randint(0, 10, (2, 5)).to(device)
     params = [*emb.parameters(), *stack.parameters(), extra]
 
     def fun(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return stack(emb(ids)), extra * 3
 
-    g1, g2 = torch.randn(2, 5, D), torch.randn(D)
+    g1, g2 = torch.randn(2, 5, D).to(device), torch.randn(D).to(device)
     torch.manual_seed(7)
     stack.variant = "plain"
     ref = torch.autograd.grad(list(fun(ids)), params, [g1, g2])
@@ -218,10 +225,10 @@ def test_inputs_not_differentiable_and_output_independent_of_inputs() -> None:
     assert stack.runs() == [2, 2]
 
 
-def test_unused_input_gets_zeros_and_existing_grad_accumulates() -> None:
-    stack = make_stack(n=1)
-    x, g = inputs()
-    unused = torch.randn(4)
+def test_unused_input_gets_zeros_and_existing_grad_accumulates(device: torch.device) -> None:
+    stack = make_stack(n=1, device=device)
+    x, g = inputs(device=device)
+    unused = torch.randn(4).to(device)
     params = list(stack.parameters())
     ref = reference(stack, x, g, False)
     for p in params:
@@ -231,15 +238,15 @@ def test_unused_input_gets_zeros_and_existing_grad_accumulates() -> None:
                                          params=params)
     dx, du = dx_fn(g)
     dw_fn()
-    assert torch.equal(du, torch.zeros(4))
+    assert torch.equal(du, torch.zeros(4, device=device))
     assert_bitwise([dx, *(p.grad for p in params)], [ref[0], *(r + 1 for r in ref[1:])])
 
 
-def test_shared_weight_used_by_two_blocks(weight_pass: str) -> None:
+def test_shared_weight_used_by_two_blocks(weight_pass: str, device: torch.device) -> None:
     """One parameter group with two intermediates: pinned captured gradients keep it exact."""
     torch.manual_seed(0)
-    blk = Block(norm=True)
-    x, g = inputs()
+    blk = Block(norm=True).to(device)
+    x, g = inputs(device=device)
 
     def fun(x: torch.Tensor, ck: bool = True) -> torch.Tensor:
         for _ in range(2):
@@ -268,13 +275,13 @@ def _flops(fn: Callable[[], Any]) -> int:
     return fc.get_total_flops()
 
 
-def test_dx_plus_dw_flops_equal_one_fused_backward(weight_pass: str) -> None:
+def test_dx_plus_dw_flops_equal_one_fused_backward(weight_pass: str, device: torch.device) -> None:
     """Per group, dx + dw do one fused backward's work; the whole pass's dw does a plain
     weight backward's (it recomputes the input-path gradients dx computed)."""
     # Functional blocks: FlopCounterMode's module tracker hooks nn.Module calls (replays too).
     torch.manual_seed(0)
-    ws = [(torch.randn(H, D, requires_grad=True), torch.randn(D, H, requires_grad=True))
-          for _ in range(3)]
+    ws = [(torch.randn(H, D).to(device).requires_grad_(),
+           torch.randn(D, H).to(device).requires_grad_()) for _ in range(3)]
     params = [w for pair in ws for w in pair]
 
     def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -285,7 +292,7 @@ def test_dx_plus_dw_flops_equal_one_fused_backward(weight_pass: str) -> None:
             x = ckptfx.checkpoint(block, x, w1, w2) if ck else block(x, w1, w2)
         return x
 
-    x, g = inputs()
+    x, g = inputs(device=device)
     for ck in (False, True):
         torch.manual_seed(7)
         xr = x.clone().requires_grad_()
@@ -311,11 +318,11 @@ def test_dx_plus_dw_flops_equal_one_fused_backward(weight_pass: str) -> None:
 # -- memory between dx and dw ---------------------------------------------------------------
 
 
-def test_dx_drops_replayed_tensors_only_dx_needed(per_group: None) -> None:
+def test_dx_drops_replayed_tensors_only_dx_needed(per_group: None, device: torch.device) -> None:
     """After dx the session keeps matmul inputs, not the GELU input or the dropout mask."""
     torch.manual_seed(0)
-    blk = Block(p=0.5, norm=True)
-    x, g = inputs()
+    blk = Block(p=0.5, norm=True).to(device)
+    x, g = inputs(device=device)
     torch.manual_seed(7)
     # What the block computes, for identifying the replayed tensors by value.
     with torch.no_grad():
@@ -352,9 +359,9 @@ def test_dx_drops_replayed_tensors_only_dx_needed(per_group: None) -> None:
     assert_bitwise([p.grad for p in params], ref)
 
 
-def test_nothing_alive_after_dw(weight_pass: str) -> None:
-    stack = make_stack()
-    x, g = inputs()
+def test_nothing_alive_after_dw(weight_pass: str, device: torch.device) -> None:
+    stack = make_stack(device=device)
+    x, g = inputs(device=device)
     torch.manual_seed(7)
     out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=list(stack.parameters()))
     dx_fn.prefire()
@@ -379,15 +386,15 @@ def test_nothing_alive_after_dw(weight_pass: str) -> None:
 # -- lifecycle and errors -------------------------------------------------------------------
 
 
-def test_order_errors_and_bad_arguments_leave_no_state() -> None:
-    stack = make_stack(n=1)
-    x, g = inputs()
+def test_order_errors_and_bad_arguments_leave_no_state(device: torch.device) -> None:
+    stack = make_stack(n=1, device=device)
+    x, g = inputs(device=device)
     params = list(stack.parameters())
     out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params, session="s0")
     with pytest.raises(RuntimeError, match="before dx_fn"):
         dw_fn()
     with pytest.raises(ValueError, match="cotangent leaf 0 has shape"):
-        dx_fn(torch.randn(3))
+        dx_fn(torch.randn(3, device=device))
     with pytest.raises(ValueError, match="structure"):
         dx_fn((g, g))
     with pytest.raises(ValueError, match="already used"):
@@ -423,9 +430,9 @@ def test_order_errors_and_bad_arguments_leave_no_state() -> None:
     assert not ckptfx.recompute_session_stats()
 
 
-def test_clear_abandons_the_split() -> None:
-    stack = make_stack(n=1)
-    x, g = inputs()
+def test_clear_abandons_the_split(device: torch.device) -> None:
+    stack = make_stack(n=1, device=device)
+    x, g = inputs(device=device)
     out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=list(stack.parameters()))
     dx_fn(g)
     ckptfx.clear_recompute_session(dx_fn.session)
@@ -436,13 +443,14 @@ def test_clear_abandons_the_split() -> None:
 
 
 @pytest.mark.parametrize("first_call", ["dx_fn", "prefire", "dw_fn"])
-def test_clear_before_any_block_joined_the_session_abandons_the_split(first_call: str) -> None:
+def test_clear_before_any_block_joined_the_session_abandons_the_split(
+        first_call: str, device: torch.device) -> None:
     """Cleared right after the split was made (nothing prefired, dx not run: no block is in
     the session yet), the split is abandoned as the docstring says: the next call raises,
     releases the graph, and leaves nothing behind. (A prefire that fails clears the session
     itself, which does not abandon the split: test_failed_prefire_can_be_retried.)"""
-    stack = make_stack(n=2)
-    x, g = inputs()
+    stack = make_stack(n=2, device=device)
+    x, g = inputs(device=device)
     params = list(stack.parameters())
     out, dx_fn, dw_fn = ckptfx.vjp_split(stack, x, params=params, session="early")
     frames = [weakref.ref(h.frame) for h in dx_fn._split.handles]
@@ -464,12 +472,13 @@ def test_clear_before_any_block_joined_the_session_abandons_the_split(first_call
     assert all(p.grad is not None for p in params)
 
 
-def test_an_abandoned_split_frees_its_key_and_leaves_the_next_split_alone() -> None:
+def test_an_abandoned_split_frees_its_key_and_leaves_the_next_split_alone(
+        device: torch.device) -> None:
     """Cleared by the user, a split no longer holds its key, even while its functions are
     still referenced: a new split takes the key, and calling the old split afterwards
     (which raises and releases it) clears nothing of the new one's session."""
-    stack = make_stack(n=2)
-    x, g = inputs()
+    stack = make_stack(n=2, device=device)
+    x, g = inputs(device=device)
     params = list(stack.parameters())
     expected = reference(stack, x, g, False)[1:]  # the parameters' gradients (seed 7)
     _, old_dx, old_dw = ckptfx.vjp_split(stack, x, params=params, session="reuse")
@@ -486,10 +495,10 @@ def test_an_abandoned_split_frees_its_key_and_leaves_the_next_split_alone() -> N
     assert not ckptfx.recompute_session_stats()
 
 
-def test_dw_that_raises_still_releases_everything() -> None:
+def test_dw_that_raises_still_releases_everything(device: torch.device) -> None:
     torch.manual_seed(0)
-    blk, head = Block(norm=True), nn.Linear(D, D)
-    x, g = inputs()
+    blk, head = Block(norm=True).to(device), nn.Linear(D, D).to(device)
+    x, g = inputs(device=device)
     out, dx_fn, dw_fn = ckptfx.vjp_split(lambda x: head(ckptfx.checkpoint(blk, x)), x,
                                          params=[*blk.parameters(), *head.parameters()])
     dx_fn(g)
@@ -510,10 +519,10 @@ def test_dw_that_raises_still_releases_everything() -> None:
         dw_fn()
 
 
-def test_failed_prefire_can_be_retried() -> None:
+def test_failed_prefire_can_be_retried(device: torch.device) -> None:
     fail = [True]
     torch.manual_seed(0)
-    blk = Block(norm=True)
+    blk = Block(norm=True).to(device)
 
     def flaky(x: torch.Tensor) -> torch.Tensor:
         if blk.runs == 1 and fail[0]:
@@ -522,7 +531,7 @@ def test_failed_prefire_can_be_retried() -> None:
             raise RuntimeError("replay failed")
         return blk(x)
 
-    x, g = inputs()
+    x, g = inputs(device=device)
     torch.manual_seed(7)
     xr = x.clone().requires_grad_()
     ref = torch.autograd.grad(blk(xr), [xr, *blk.parameters()], g)
@@ -558,12 +567,12 @@ def _reference_loss(stack: Stack, x: torch.Tensor, seed: int) -> list[torch.Tens
     return list(torch.autograd.grad(out, [xr, *stack.parameters()]))
 
 
-def test_grad_split_sessions_interleaved_on_threads() -> None:
+def test_grad_split_sessions_interleaved_on_threads(device: torch.device) -> None:
     """F1 F2 dx1 F3 dx2 dw1 dx3 dw2 dw3, dx and dw on threads that did not run the forward."""
-    stack = make_stack()
+    stack = make_stack(device=device)
     params = dict(stack.named_parameters())
     dx_fn, dw_fn = ckptfx.grad_split(_loss_fn(stack), x_argnums=1, has_aux=True)
-    xs = [torch.randn(2, 5, D) for _ in range(3)]
+    xs = [torch.randn(2, 5, D).to(device) for _ in range(3)]
     refs = [_reference_loss(stack, x, 10 + i) for i, x in enumerate(xs)]
     results: dict[tuple[str, int], Any] = {}
 
@@ -595,14 +604,14 @@ def test_grad_split_sessions_interleaved_on_threads() -> None:
 
 
 def test_grad_split_keeps_only_what_dw_reads_between_dx_and_dw(
-        monkeypatch: pytest.MonkeyPatch, per_group: None) -> None:
+        monkeypatch: pytest.MonkeyPatch, per_group: None, device: torch.device) -> None:
     """grad_split trims the session after dx as vjp_split does: fewer tensors and bytes held
     than with every replayed tensor retained, the same gradients, nothing held after dw."""
     import ckptfx.split.passes as split_passes
 
-    stack = make_stack()
+    stack = make_stack(device=device)
     params = dict(stack.named_parameters())
-    x = torch.randn(2, 5, D)
+    x = torch.randn(2, 5, D).to(device)
     dx_fn, dw_fn = ckptfx.grad_split(_loss_fn(stack), x_argnums=1, has_aux=True)
     held, grads = {}, {}
     for trim in (False, True):
@@ -619,11 +628,11 @@ def test_grad_split_keeps_only_what_dw_reads_between_dx_and_dw(
     assert_bitwise(grads[False], ref)
 
 
-def test_grad_split_errors() -> None:
-    stack = make_stack(n=1)
+def test_grad_split_errors(device: torch.device) -> None:
+    stack = make_stack(n=1, device=device)
     params = dict(stack.named_parameters())
     dx_fn, dw_fn = ckptfx.grad_split(_loss_fn(stack), x_argnums=1, has_aux=True)
-    x = torch.randn(2, 5, D)
+    x = torch.randn(2, 5, D).to(device)
     with pytest.raises(RuntimeError, match="no dx_fn"):
         dw_fn("a")  # unknown, or dw before dx
     dx_fn(params, x, session="a")
@@ -645,10 +654,10 @@ def test_grad_split_errors() -> None:
     assert not ckptfx.recompute_session_stats()
 
 
-def test_grad_split_tuple_argnums_and_single_remaining() -> None:
+def test_grad_split_tuple_argnums_and_single_remaining(device: torch.device) -> None:
     torch.manual_seed(0)
-    w = torch.randn(D, D)
-    a, b = torch.randn(3, D), torch.randn(3, D)
+    w = torch.randn(D, D).to(device)
+    a, b = torch.randn(3, D).to(device), torch.randn(3, D).to(device)
 
     def f(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return ckptfx.checkpoint(lambda a, b, w: ((a @ w).tanh() * b).sum(), a, b, w)
@@ -679,14 +688,14 @@ class _CountOps(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("policy", [None, "dots_saveable"])
-def test_vjp_split_over_remat_blocks(policy: str | None) -> None:
+def test_vjp_split_over_remat_blocks(policy: str | None, device: torch.device) -> None:
     """remat frames are kernel frames: one replay shared by dx and dw, bitwise grads."""
     if not hasattr(ckptfx, "remat"):  # pragma: no cover - remat lands in parallel
         pytest.skip("ckptfx.remat not available in this tree")
     pol = None if policy is None else getattr(ckptfx.checkpoint_policies, policy)
     torch.manual_seed(0)
-    ws = [{"w1": torch.randn(D, H, requires_grad=True), "w2": torch.randn(H, D, requires_grad=True)}
-          for _ in range(3)]
+    ws = [{"w1": torch.randn(D, H).to(device).requires_grad_(),
+           "w2": torch.randn(H, D).to(device).requires_grad_()} for _ in range(3)]
     runs = [0]
 
     def block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -700,7 +709,7 @@ def test_vjp_split_over_remat_blocks(policy: str | None) -> None:
             x = rblock(p, x) if rm else block(p, x)
         return x
 
-    x, g = torch.randn(4, D), torch.randn(4, D)
+    x, g = torch.randn(4, D).to(device), torch.randn(4, D).to(device)
     flat = [w for p in ws for w in p.values()]
     torch.manual_seed(7)
     xr = x.clone().requires_grad_()

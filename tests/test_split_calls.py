@@ -2,7 +2,9 @@
 the replayed tensors only it reads (``ckptfx.split.passes`` Rule 4).
 
 Parity is bitwise against a fused backward without any checkpoint; work is counted (block
-runs, a custom Function's backward calls, engine groups), never timed.
+runs, a custom Function's backward calls, engine groups), never timed. Tests that run dx and
+dw take the ``device`` fixture: on the CPU and on the accelerator, where autograd runs them on
+its device threads (the custom backwards, and their random draw, included).
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ class _Scale(torch.autograd.Function):
         return g * 2
 
 
-def _weights(n: int = 2, d: int = 8, h: int = 16) -> list[torch.Tensor]:
+def _weights(n: int = 2, d: int = 8, h: int = 16,
+             device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Leaf weights ``w1, b1, w2`` per block, drawn on the CPU, on ``device``."""
     torch.manual_seed(0)
     ws = []
     for _ in range(n):
-        ws += [torch.randn(h, d, requires_grad=True), torch.randn(h, requires_grad=True),
-               torch.randn(d, h, requires_grad=True)]
-    return ws
+        ws += [torch.randn(h, d), torch.randn(h), torch.randn(d, h)]
+    return [w.to(device).requires_grad_() for w in ws]
 
 
 class _Noisy(torch.autograd.Function):
@@ -71,15 +74,15 @@ def _fun(x: torch.Tensor, ws: list[torch.Tensor], runs: list[int], ck: bool,
 
 
 @pytest.mark.parametrize("mode", [None, "per_group", "whole"])
-def test_weight_passes_bitwise_counted(mode: str | None,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weight_passes_bitwise_counted(mode: str | None, monkeypatch: pytest.MonkeyPatch,
+                                       device: torch.device) -> None:
     """Both passes give the fused gradients bit for bit with one replay per block. Under the
     rule (None) these small blocks' custom Function forces the per-group pass, whose custom
     backward runs once; the whole pass, forced (for measurement only), runs the one that leads
     to weights once more, in dw (deterministic here)."""
     monkeypatch.setattr(weight_calls, "_force", mode)
-    ws = _weights()
-    x, g = torch.randn(3, 8), torch.randn(3, 8)
+    ws = _weights(device=device)
+    x, g = torch.randn(3, 8).to(device), torch.randn(3, 8).to(device)
     torch.manual_seed(5)
     xr = x.clone().requires_grad_()
     ref = torch.autograd.grad(_fun(xr, ws, [0], False), [xr, *ws], g)
@@ -112,10 +115,10 @@ def test_rule_is_a_function_of_shapes() -> None:
     assert not weight_calls.whole_backward_pays([act], [act], [])
 
 
-def test_split_follows_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_follows_the_rule(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     """Built-in nodes only: the shapes decide; a custom Function: per group at any size."""
-    ws = _weights()
-    x, g = torch.randn(3, 8), torch.randn(3, 8)
+    ws = _weights(device=device)
+    x, g = torch.randn(3, 8).to(device), torch.randn(3, 8).to(device)
     for limit, custom, groups in ((weight_calls.ENGINE_CALL_FLOPS, False, 1), (0, False, 4),
                                   (weight_calls.ENGINE_CALL_FLOPS, True, 4)):
         monkeypatch.setattr(weight_calls, "ENGINE_CALL_FLOPS", limit)
@@ -129,18 +132,19 @@ def test_split_follows_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("split", ["vjp_split", "grad_split"])
-def test_random_custom_backward_takes_the_per_group_pass(split: str) -> None:
+def test_random_custom_backward_takes_the_per_group_pass(split: str,
+                                                         device: torch.device) -> None:
     """A custom backward with a random draw on the input path of small blocks: the rule takes
     the per-group pass (the whole one would draw again in dw and give other weight gradients),
     and dx and dw are bitwise plain autograd's with the same seed."""
     torch.manual_seed(0)
-    w1 = torch.randn(16, 8, requires_grad=True)
-    w2 = torch.randn(8, 16, requires_grad=True)
+    w1 = torch.randn(16, 8).to(device).requires_grad_()
+    w2 = torch.randn(8, 16).to(device).requires_grad_()
 
     def fun(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return F.linear(torch.tanh(_Noisy.apply(F.linear(x, a))), b)
 
-    x, g = torch.randn(3, 8), torch.randn(3, 8)
+    x, g = torch.randn(3, 8).to(device), torch.randn(3, 8).to(device)
     assert weight_calls.whole_backward_pays([g], [x], [w1, w2])  # small: shapes alone say whole
     torch.manual_seed(7)
     xr = x.clone().requires_grad_()
