@@ -60,10 +60,13 @@ def fresh_dynamo() -> Iterator[None]:
 
 
 @pytest.fixture
-def no_donated_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+def no_donated_buffers() -> Iterator[None]:
     # A split backward runs a compiled block's backward with retain_graph=True (dx), which
     # AOT autograd refuses once it compiled the backward with donated buffers (README).
-    monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
+    # torch's own patch: monkeypatch's undo deletes the config key (pytest 9), which breaks
+    # every later compile in the process.
+    with torch._functorch.config.patch(donated_buffer=False):
+        yield
 
 
 class Counting:

@@ -90,10 +90,10 @@ def run(stage_cls: type, checkpointed: bool) -> tuple[list[list[int]], list[list
     return runs, grads
 
 
-def test_compiled_blocks_run_twice_per_microbatch_under_zero_bubble(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # the I step runs each compiled block's backward with retain_graph=True (README)
-    monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
+@torch._functorch.config.patch(donated_buffer=False)
+def test_compiled_blocks_run_twice_per_microbatch_under_zero_bubble() -> None:
+    # the I step runs each compiled block's backward with retain_graph=True (README); torch's
+    # own patch, as monkeypatch's undo deletes the config key (pytest 9)
     torch._dynamo.reset()
     plain_runs, ref = run(TorchStage, checkpointed=False)
     # torch's metadata inference runs each stage once on the first step
