@@ -60,8 +60,9 @@ def apply_activation_checkpointing(
             function. ``None`` (default): a plain ``ckptfx.checkpoint`` of each block
             (only its inputs kept, everything else recomputed).
         check_fn: ``check_fn(module) -> bool`` picks the modules to wrap (the outermost
-            matches; the model itself is never wrapped). ``None`` (default) finds the
-            repeated blocks as ``find_blocks`` does.
+            matches; the model itself is never wrapped); a module class, or a tuple of
+            classes, picks their instances (``check_fn=LlamaDecoderLayer``). ``None``
+            (default) finds the repeated blocks as ``find_blocks`` does.
         memory_budget: instead of ``policy``, a whole-model budget in ``[0, 1]``: the
             blocks together keep at most that fraction of what ``everything_saveable``
             would keep in them, spread over the blocks where it saves the most recompute
@@ -104,6 +105,12 @@ def apply_activation_checkpointing(
         if error is not None:
             raise error
         check_policy(policy, "policy")
+    if isinstance(check_fn, type) or (isinstance(check_fn, tuple) and check_fn
+                                      and all(isinstance(c, type) for c in check_fn)):
+        # A class (what FSDP's ModuleWrapPolicy takes) means its instances; called as a
+        # check_fn it would build one module per submodule.
+        block_classes = check_fn
+        check_fn = lambda m: isinstance(m, block_classes)  # noqa: E731
     if check_fn is not None and not callable(check_fn):
         raise TypeError(
             "check_fn must be a callable taking a module and returning a bool (e.g. "

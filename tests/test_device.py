@@ -223,6 +223,29 @@ def test_dx_then_two_dw_calls_replay_each_block_once(kind: str, prefire: bool) -
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
+def test_a_session_opened_on_a_device_thread_inside_a_session_backward_is_refused() -> None:
+    """Contexts do not nest on the caller's thread; a hook running on a device thread for a
+    session's backward is inside that session too, and is told so."""
+    p, x = _params(_device()), _input(_device())
+    out = ckptfx.checkpoint(_block, p, x)
+    opened_on: list[int] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        opened_on.append(threading.get_ident())
+        with ckptfx.recompute_session_ctx("inner"):
+            pass
+
+    out.register_hook(hook)
+    try:
+        with pytest.raises(ckptfx.CheckpointError, match="do not nest"):
+            with ckptfx.recompute_session_ctx("outer"):
+                out.sum().backward()
+    finally:
+        ckptfx.clear_recompute_session("outer")
+    assert opened_on and opened_on[0] != threading.get_ident()
+    assert "inner" not in ckptfx.recompute_session_stats()
+
+
 @pytest.mark.parametrize("kind", ["checkpoint", "remat"])
 def test_grad_split_replays_each_block_once(kind: str) -> None:
     run, params, _ = _make(kind)

@@ -171,8 +171,32 @@ def test_check_fn_wraps_the_outermost_matches_and_never_the_model() -> None:
     assert type(net.embed) is not nn.Linear  # a Linear outside the blocks matches too
 
 
+@pytest.mark.parametrize("check_fn", [Block, (Block, nn.LayerNorm)], ids=["class", "tuple"])
+def test_check_fn_as_a_class_wraps_its_instances_without_building_one(check_fn: Any) -> None:
+    built = []
+    init = Block.__init__
+
+    def counting_init(self: Block, *a: Any, **k: Any) -> None:
+        built.append(1)
+        init(self, *a, **k)
+
+    net = Net()
+    Block.__init__ = counting_init  # type: ignore[method-assign]
+    try:
+        ckptfx.apply_activation_checkpointing(net, check_fn=check_fn)
+    finally:
+        Block.__init__ = init  # type: ignore[method-assign]
+    assert not built
+    assert all(type(b) is not Block and isinstance(b, Block) for b in net.blocks)
+    by_lambda = Net()
+    ckptfx.apply_activation_checkpointing(by_lambda, check_fn=lambda m: isinstance(m, check_fn))
+    assert [type(m).__name__ for m in net.modules()] == [
+        type(m).__name__ for m in by_lambda.modules()]
+
+
 @pytest.mark.parametrize("kwargs, exc, words", [
     ({"check_fn": 3}, TypeError, "check_fn must be a callable"),
+    ({"check_fn": (Block, 3)}, TypeError, "check_fn must be a callable"),
     ({"check_fn": lambda m: False}, ValueError, "check_fn matched no submodule"),
     ({"policy": cp.save_only_these_names}, TypeError, "policy factory"),
     ({"policy": "dots"}, TypeError, "policy must be a checkpoint policy"),

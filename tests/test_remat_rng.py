@@ -102,3 +102,24 @@ def test_a_replay_that_needs_a_later_random_op_runs_the_ones_before_it(
             got = torch.autograd.grad(out.sum(), [xs, ws])
         assert ops.ops.count("aten.rand_like") == 1  # run for the generator, not its values
         assert_bitwise([out, *got], _grads(block, x, w, seed, None))
+
+
+@pytest.mark.parametrize("first", ["device_without_index", "default_generator_by_name"])
+def test_a_draw_naming_the_default_generator_another_way_is_the_same_generator(
+        device: torch.device, first: str) -> None:
+    """``torch.rand(..., device="cuda")`` and an explicit ``generator=`` that is the default
+    generator draw from the generator a dropout on ``cuda:0`` draws from: the dropout replays
+    from where they left it, not from the block's start."""
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if first == "device_without_index":
+            n = torch.rand(4, 6, device=device.type)
+        else:
+            gen = (torch.default_generator if device.type == "cpu"
+                   else torch.get_device_module(device.type).default_generators[device.index])
+            n = torch.rand(4, 6, device=device, generator=gen)
+        return F.dropout(((x @ w) * n).tanh(), 0.5, True).exp()
+
+    x, w = torch.randn(4, 6).to(device), torch.randn(6, 6).to(device)
+    for seed in range(3):
+        assert_bitwise(_grads(ckptfx.remat(block), x, w, seed, None),
+                       _grads(block, x, w, seed, None))

@@ -124,7 +124,9 @@ class Activation:
     def adopt(self, frame: Frame) -> "Activation | None":
         """Lazy discovery (Rule 2): register and bind a frame first unpacked in this context."""
         with _lock:
-            if self.session.cleared:
+            # A stale copy (thread state copied by torch.jit.fork, say, read after the context
+            # closed) registers nothing.
+            if self.session.cleared or self.session.act is not self:
                 return None
             _register(frame, self.session)
             _bind(frame, self)
@@ -329,7 +331,9 @@ class _SessionContext(contextlib.ContextDecorator):
             raise ValueError(
                 f"retain_on_unpack must be a bool, got {type(retain_on_unpack).__name__}"
             )
-        outer = tls.activation
+        # This thread's own context, or the one whose backward it runs (a hook or a custom
+        # Function's backward on a device thread): either way a session is open here.
+        outer = tls.activation or _compat.carried(SESSION_KEY)
         if outer is not None:
             raise CheckpointError(
                 f"ckptfx: recompute_session_ctx({session_id!r}) opened inside "
@@ -342,6 +346,7 @@ class _SessionContext(contextlib.ContextDecorator):
             try:
                 for frame in _frames_of(session):
                     _bind(frame, act)
+                _compat.carry(SESSION_KEY, act)  # for autograd's device threads (Rule 2)
             except BaseException:
                 _unbind(session, act)
                 _drop_if_empty(session)
@@ -350,7 +355,6 @@ class _SessionContext(contextlib.ContextDecorator):
             session.contexts += 1
         self.session, self.act = session, act
         tls.activation = act
-        _compat.carry(SESSION_KEY, act)  # for autograd's device threads (Rule 2)
 
     def __exit__(self, *exc: Any) -> None:
         session, act = self.session, self.act

@@ -105,6 +105,7 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         # (segment.py Rule 3b).
         self.last_draw: dict[Hashable, int] = {}
         self.draw_keys: dict[int, frozenset[Any]] = {}
+        self.drawn_types: set[str] = set()  # device types drawn on so far, by any generator
         # FSDP scopes and collectives (ckptfx.kernel.collectives), only where one can run.
         self.dist = collectives.Watch() if collectives.watch_needed() else None
         self.dist_log: Any = None
@@ -127,17 +128,22 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
             if isinstance(device, str):
                 device = torch.device(device)
             dev = device if isinstance(device, torch.device) else torch.device("cpu")
-            keys = frozenset({("default", dev.type, dev.index)})
+            keys = frozenset({_default_key(dev.type, dev.index)})
         prev = {self.last_draw.get(k) for k in keys}
         for k in keys:
             self.last_draw[k] = index
         self.draw_keys[index] = keys
+        # A block-start state serves only the block's first draw on that device type by any
+        # name: an explicit generator may be the default one under another Python object.
+        types = {g.device.type for g in gens} or {dev.type}
+        first_of_type = not (types & self.drawn_types)
+        self.drawn_types |= types
         if len(prev) == 1:
             p = next(iter(prev))
             if p is not None and self.draw_keys[p] == keys:
                 self.seg.rng_prev[index] = p
                 return None
-            if p is None:
+            if p is None and first_of_type:
                 env = self.frame.env
                 if keys == CPU_DEFAULT and env.cpu_rng is not None:
                     return BLOCK_START
@@ -343,3 +349,12 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         self.frame.shared = frozenset(pos for pos, (slot, _) in self.seg.targets.items()
                                       if self.root[slot] >= 0)
         return self.seg
+
+
+def _default_key(device_type: str, index: int | None) -> tuple[str, str, int | None]:
+    """The key of a device's default generator, however a draw named it: ``"cuda"`` and
+    ``"cuda:0"`` are one generator when device 0 is current (the CPU has one, index None)."""
+    if device_type != "cpu" and index is None:
+        index = torch.get_device_module(device_type).current_device()
+    return ("default", device_type, index)
+
