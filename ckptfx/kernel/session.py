@@ -283,7 +283,8 @@ def recompute_session_ctx(session_id: Hashable,
             calls of the same session (dx, and every dw group but the last). False (default)
             hands it out and drops it: use it for the last consumer.
 
-    Sessions do not nest on one thread: opening one inside another raises
+    Sessions do not nest on one thread, nor inside the backward of a session on the device
+    thread that runs it (a hook, a custom backward): opening one inside another raises
     ``CheckpointError`` and leaves neither behind. A context that ends with no frame
     registered to its session (its body raised first, or read no checkpointed block) leaves
     no session behind either. Always finish with ``clear_recompute_session`` in a
