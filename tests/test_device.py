@@ -154,20 +154,20 @@ def test_checkpoint_wrapper_module_is_exact_under_amp() -> None:
 # -- sessions: dx, then k dw calls, replay each block once on the device threads ----------
 
 
-def _make(kind: str) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor], Any]:
-    """A two-block stage of ``kind`` with its parameters, and what counts its replays."""
+def _make(kind: str) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor]]:
+    """A two-block stage of ``kind`` and its parameters."""
     device = _device()
     if kind == "checkpoint_wrapper":
         torch.manual_seed(0)
         blocks = [ckptfx.checkpoint_wrapper(_Mlp().to(device)) for _ in range(2)]
-        return (lambda x: blocks[1](blocks[0](x))), [q for b in blocks for q in b.parameters()], None
+        return (lambda x: blocks[1](blocks[0](x))), [q for b in blocks for q in b.parameters()]
     ps = [_params(device) for _ in range(2)]
     if kind == "checkpoint":
         run = lambda x: ckptfx.checkpoint(_block, ps[1], ckptfx.checkpoint(_block, ps[0], x))  # noqa: E731
     else:
         rblock = ckptfx.remat(_block)
         run = lambda x: rblock(ps[1], rblock(ps[0], x))  # noqa: E731
-    return run, [w for p in ps for w in p.values()], None
+    return run, [w for p in ps for w in p.values()]
 
 
 def _sin_count(fn: Callable[[], Any]) -> int:
@@ -184,7 +184,7 @@ def _sin_count(fn: Callable[[], Any]) -> int:
 def test_dx_then_two_dw_calls_replay_each_block_once(kind: str, prefire: bool) -> None:
     """Without a prefire the session is found at the first unpack, on a device thread that
     never saw the caller's session context."""
-    run, params, _ = _make(kind)
+    run, params = _make(kind)
     x = _input(_device())
     torch.manual_seed(5)
     ref_out = run(x)
@@ -248,7 +248,7 @@ def test_a_session_opened_on_a_device_thread_inside_a_session_backward_is_refuse
 
 @pytest.mark.parametrize("kind", ["checkpoint", "remat"])
 def test_grad_split_replays_each_block_once(kind: str) -> None:
-    run, params, _ = _make(kind)
+    run, params = _make(kind)
     x = _input(_device())
 
     def loss_fn(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
