@@ -63,7 +63,42 @@ class TorchDispatchMode(_TorchDispatchMode):
         if handler is not None and hasattr(handler, "__code__"):
             skip_dynamo(handler.__code__)
 
+
+class TorchFunctionMode(torch.overrides.TorchFunctionMode):
+    """Base of ckptfx's function modes: their handlers are never compiled (``skip_dynamo``),
+    as the dispatch modes' are."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        handler = cls.__dict__.get("__torch_function__")
+        if handler is not None and hasattr(handler, "__code__"):
+            skip_dynamo(handler.__code__)
+
+
 TORCH_VERSION = torch.__version__
+
+# torch's selective-checkpoint internals (torch.utils.checkpoint, 2.4 and later): the caching
+# (forward) and cached (replay) modes and the entry that means "run the op again"; None where
+# a torch lacks them.
+SAC_CACHING_MODE: Any = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
+SAC_CACHED_MODE: Any = getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None)
+SAC_RECOMPUTE: Any = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
+
+
+def checkpoint_debug_enabled() -> bool | None:
+    """torch's global ``set_checkpoint_debug_enabled`` switch (None: defer to ``debug=``)."""
+    return getattr(torch.utils.checkpoint, "_checkpoint_debug_enabled", None)
+
+
+def with_inplace_or_view() -> Any:
+    """A guard that dispatches through ADInplaceOrView again where a mode excluded it (a
+    ``detach`` made there then shares its source's version counter)."""
+    return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False)
+
+
+# Dispatch below the autograd keys on this thread (ops run, nothing is recorded), with grad
+# mode left as it is: a context manager.
+below_autograd: Callable[[], Any] = torch._C._AutoDispatchBelowAutograd
 
 
 def _require(owner: Any, name: str) -> Any:

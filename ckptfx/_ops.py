@@ -14,6 +14,7 @@ _EMPTY_OPS = frozenset({
     aten.new_empty.default, aten.new_empty_strided.default,
 })
 _SEEDED = torch.Tag.nondeterministic_seeded
+_KNOWN = frozenset({"aten", "prims"})  # namespaces whose ops declare their randomness
 # Ops that return an alias of their input although their schema does not say so: a write
 # through the result rewrites the input (matmul's _unsafe_view of its mm), so they count as
 # aliases (not views: the policy still decides on them) in remat's version bookkeeping.
@@ -27,9 +28,12 @@ class OpInfo:
     """``seeded``: draws from a generator; ``writes``: (position, name) of the arguments it
     writes in place; ``view``: returns an alias of an input; ``alias``: a view, or an op that
     returns an alias although its schema does not say so; ``empty``: allocates without
-    initialising."""
+    initialising; ``opaque``: an op outside ATen and prims (a custom op) that does not declare
+    itself random: whether it draws random numbers is not known from its schema;
+    ``dtype_default``: takes an optional ``dtype``, which ATen fills in from the default
+    dtype."""
 
-    __slots__ = ("seeded", "writes", "view", "alias", "empty")
+    __slots__ = ("seeded", "writes", "view", "alias", "empty", "opaque", "dtype_default")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -42,6 +46,9 @@ class OpInfo:
                         for r in schema.returns)
         self.alias = self.view or func in _UNANNOTATED_VIEWS
         self.empty = func in _EMPTY_OPS
+        self.dtype_default = any(a.name == "dtype" and isinstance(a.type, torch.OptionalType)
+                                 for a in schema.arguments)
+        self.opaque = not self.seeded and getattr(func, "namespace", "aten") not in _KNOWN
 
 
 OP_INFO: dict[Any, OpInfo] = {}

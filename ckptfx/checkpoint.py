@@ -3,6 +3,7 @@ on ckptfx's own kernel (frame.py), so that sessions and prefire work for it."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, TypeVar
@@ -15,6 +16,7 @@ from ckptfx import _compat, lowering
 from ckptfx.kernel.forward import run_checkpointed
 from ckptfx.kernel.frame import CheckpointError
 from ckptfx.policies.checks import NameCheck, name_check, shared_name_check
+from ckptfx.policies.contexts import checked_contexts
 from ckptfx.policies.named import NothingSaveable, check_policy, nothing_saveable
 from ckptfx.remat import RematOptions, call
 
@@ -162,12 +164,28 @@ def checkpoint(
             structure (tensors, dicts, lists, non-tensors).
         use_reentrant: must be False (or None): ckptfx is non-reentrant only.
         context_fn: returns ``(forward_ctx, recompute_ctx)``, entered around the forward and
-            each replay; ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
-            works as with torch.
+            each replay; anything but a pair of context managers is a ``TypeError`` naming
+            ``context_fn``, raised in the forward before anything is saved (torch fails
+            later, some results only in the backward). torch's
+            ``create_selective_checkpoint_contexts`` works as with torch, and exactly where
+            torch's does not: a value its cache holds that the block, or the caller after
+            the forward, then writes in place is recomputed by the replay rather than
+            handed out written (torch refuses it as "mutated", or, for a write through
+            matmul's ``_unsafe_view`` alias that its version check cannot see, gives wrong
+            gradients). See ``ckptfx.policies.contexts``.
         determinism_check: ``"default"`` checks the count and the shape, dtype and device of
             every tensor saved by the replay against the forward; ``"none"`` checks nothing.
         debug: on a replay mismatch, add the forward's and the replay's op traces to the
-            error.
+            error (which then says debug is why, in place of the tip to turn it on). As for
+            torch's checkpoint, ``torch.utils.checkpoint.set_checkpoint_debug_enabled(True)``
+            or ``(False)``, active when the block runs forward, overrides ``debug``
+            (``None`` defers to it), and turned on that way debug refuses a custom
+            ``context_fn`` (``ValueError``). Calls that run as ``remat`` (``policy=``, or
+            inside a ``torch.func`` transform) replay recorded ops with nothing to trace and
+            ignore the switch. Under ``torch.compile`` the call is torch's checkpoint op,
+            which torch 2.13 refuses under ``set_checkpoint_debug_enabled(True)`` as it
+            refuses its own (``ValueError``: its compiled op always passes a
+            ``context_fn``).
         preserve_rng_state: restore RNG for the replay (needed for dropout parity).
         early_stop: stop the replay once every saved tensor is recomputed, where torch's
             stops (in the pack of the last saved tensor: the same ops run, on any machine and
@@ -189,15 +207,16 @@ def checkpoint(
         # ckptfx.apply_activation_checkpointing(model, policy=cp.dots_saveable))
         from ckptfx import checkpoint_policies as cp
         out = ckptfx.checkpoint(block, x, policy=cp.dots_saveable)
+
+        # the curried form (torch's after 2.13, torch_remat's): options first, then the
+        # function, then its arguments; also a decorator
+        out = ckptfx.checkpoint(early_stop=False)(block)(x, mask=mask)
     """
-    if function is _NO_FUNCTION:  # @checkpoint(policy=...), jax.checkpoint's decorator form
-        raise TypeError(
-            "checkpoint() missing 1 required positional argument: 'function'. "
-            "ckptfx.checkpoint(function, *args) calls function(*args) now, as torch's "
-            "checkpoint does; to make a checkpointed function to call later (jax.checkpoint's "
-            "way, or as a decorator), use ckptfx.remat(function, policy=...) or "
-            "@ckptfx.remat(policy=...)"
-        )
+    if function is _NO_FUNCTION:  # checkpoint(**cfg)(fn)(*args): torch's curried form
+        return _curried(kwargs, use_reentrant=use_reentrant, context_fn=context_fn,
+                        determinism_check=determinism_check, debug=debug,
+                        preserve_rng_state=preserve_rng_state, early_stop=early_stop,
+                        policy=policy)
     if use_reentrant is not False:
         check_use_reentrant(use_reentrant, "checkpoint")
     if not callable(function):
@@ -228,6 +247,32 @@ def checkpoint(
     return run(function, args, kwargs, policy, options)
 
 
+def _curried(unknown: dict[str, Any], **cfg: Any) -> Callable[[Callable[..., Any]],
+                                                               Callable[..., Any]]:
+    """``checkpoint(**cfg)``: what takes the function, torch's curried form (also a decorator:
+    ``@ckptfx.checkpoint(policy=...)``). The options are checked here, at once."""
+    if unknown:
+        raise TypeError(
+            f"checkpoint() got keyword arguments {sorted(unknown)} but no function: in the "
+            "curried form checkpoint(**options)(function)(*args, **kwargs) the options are "
+            "checkpoint's own (use_reentrant, context_fn, determinism_check, debug, "
+            "preserve_rng_state, early_stop, policy); the function's keyword arguments go "
+            "to the last call")
+    if cfg["use_reentrant"] is not False:
+        check_use_reentrant(cfg["use_reentrant"], "checkpoint")
+    check_options(**{k: v for k, v in cfg.items() if k != "use_reentrant"})
+
+    def configure(function: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(function):
+            raise TypeError(f"function must be callable, got {type(function).__name__}")
+
+        @functools.wraps(function)
+        def checkpointed(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint(function, *args, **cfg, **kwargs)
+        return checkpointed
+    return configure
+
+
 def _callable_without_arguments(function: Callable[..., Any]) -> bool:
     try:
         inspect.signature(function).bind()
@@ -244,7 +289,9 @@ def run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     options but ``policy``; ``names``: a ``checkpoint_wrapper``'d module's name check), for
     ``checkpoint`` and ``checkpoint_wrapper`` alike: with a policy (inside a torch.func
     transform, also without one) a ``remat`` call; under ``torch.compile`` torch's
-    checkpoint; else the kernel's."""
+    checkpoint; else the kernel's, with torch's global ``set_checkpoint_debug_enabled``
+    applied over ``debug`` and a custom ``context_fn`` called through ``checked_contexts``
+    (its result checked, torch's selective-checkpoint cache guarded against later writes)."""
     compiling = _compat.is_compiling()
     if policy is None and _compat.functorch_level(compiling) > 0:
         policy = policy_under_func(options.get("context_fn", noop_context_fn),
@@ -256,9 +303,31 @@ def run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
                                early_stop=options.get("early_stop", True), names=names)
     if compiling:
         return torch_fallback(function, args, kwargs, **options)
+    # torch's global switch (set_checkpoint_debug_enabled), read per call as torch does
+    debug_everywhere = _compat.checkpoint_debug_enabled()
+    if debug_everywhere is not None and debug_everywhere is not options.get("debug", False):
+        options = with_global_debug(options, debug_everywhere)
     if options is DEFAULT_OPTIONS:  # no keywords to parse: the common call
         return run_checkpointed(function, args, kwargs)
+    context_fn = options.get("context_fn", noop_context_fn)
+    if context_fn is not noop_context_fn:  # its result checked, SAC caches guarded
+        options = {**options, "context_fn": functools.partial(checked_contexts, context_fn)}
     return run_checkpointed(function, args, kwargs, **options)
+
+
+def with_global_debug(options: Mapping[str, Any], enabled: bool) -> Mapping[str, Any]:
+    """``options`` with ``debug`` set by ``torch.utils.checkpoint.set_checkpoint_debug_enabled``
+    (``enabled``, not None), which overrides the per-call ``debug=`` as it does for torch's
+    checkpoint; like torch, debug turned on this way refuses a custom ``context_fn``."""
+    if enabled and options.get("context_fn", noop_context_fn) is not noop_context_fn:
+        raise ValueError(
+            "torch.utils.checkpoint.set_checkpoint_debug_enabled(True) turns debug on for "
+            "this checkpoint, and debug records ops with its own contexts: it cannot be "
+            "combined with a custom context_fn. Run this call outside that context (or "
+            "inside set_checkpoint_debug_enabled(None), which defers to debug=), or drop "
+            "context_fn"
+        )
+    return {**options, "debug": enabled}
 
 
 def policy_under_func(context_fn: Any, debug: bool) -> Any:
@@ -405,9 +474,10 @@ def checkpoint_wrapper(module: M, **checkpoint_kwargs: Any) -> M:
     ``isinstance`` checks are all unchanged, and ``torch.save(model)`` / ``torch.load``
     work. ``checkpoint_kwargs`` are the keyword options of ``ckptfx.checkpoint``
     (``context_fn``, ``determinism_check``, ``debug``, ``preserve_rng_state``,
-    ``early_stop``, ``policy``). With ``policy=`` each call is a ``ckptfx.remat`` call of
-    the module's forward, and a name-based policy whose names the forward never uses warns
-    once per module. Calling it again updates the options. ``unwrap_checkpoint(module)``
+    ``early_stop``, ``policy``), checked now; ``context_fn``'s result and torch's global
+    ``set_checkpoint_debug_enabled`` are read at each call. With ``policy=`` each call is a
+    ``ckptfx.remat`` call of the module's forward, and a name-based policy whose names the
+    forward never uses warns once per module. Calling it again updates the options. ``unwrap_checkpoint(module)``
     restores the plain module.
 
     Example::

@@ -152,14 +152,17 @@ def note_lowered(what: str) -> bool:
 
 def check_split_graph(outputs: list[torch.Tensor], who: str) -> None:
     """Warn (Rule 5) if ``outputs`` were computed through a compiled region whose backward
-    no ckptfx frame schedules: dx and dw would each run all of it."""
+    no ckptfx frame schedules: the input-gradient call runs all of it, weight gradients
+    included, so nothing is left for the weight call to do later."""
     if _compat.any_node(outputs, _compat.is_compiled_backward_node):
         _warn_replay(
             "split",
             f"ckptfx.{who}: the outputs come from a torch.compile'd region with no "
             "ckptfx checkpoint outside it. Its backward is one autograd node, so the "
-            "input-gradient and the weight-gradient calls each run all of it, and a "
-            "checkpoint inside the compiled graph recomputes its blocks in both."
+            "input-gradient call runs all of it, the weight gradients included, and the "
+            "weight-gradient call only hands them out: the split defers no work (a "
+            "zero-bubble schedule gains nothing). To split, compile each block and "
+            "checkpoint around it (ckptfx.checkpoint(torch.compile(block), x))."
         )
 
 

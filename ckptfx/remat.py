@@ -78,7 +78,9 @@ def remat(
     Args:
         fun: the block. Must be a function of its arguments (parameters it reads from a
             module or a closure are fine; they must not be modified in place between forward
-            and backward, which is checked). Python state it reads (a module attribute, a
+            and backward, which is checked: every tensor a recorded call read, and for a
+            later unrecorded call the tensors of the block's modules, closure and globals,
+            not tensors reached through other objects). Python state it reads (a module attribute, a
             config value) must not change between a call's forward and its backward either:
             a call whose replay re-runs the function (see ``always_record``) reads it again,
             as torch's checkpoint does, and nothing can check a Python value.

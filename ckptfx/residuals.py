@@ -20,6 +20,7 @@ from torch import nn
 from ckptfx._format import human_bytes
 from ckptfx.budget import planner
 from ckptfx.func_path.call import modules_read_by
+from ckptfx.policies.checks import name_check
 from ckptfx.policies.named import everything_saveable
 from ckptfx.policies.tracer_stack import tracer_stack as _stack
 from ckptfx.recording.tracer import Tracer
@@ -143,7 +144,9 @@ def _report(target: Callable[..., Any], options: RematOptions, args: tuple, kwar
     outer, _stack.report = _stack.report, report
     try:
         with torch.enable_grad():
-            call(target, options, args, kwargs)
+            # a check of its own: the report says which policy names match nothing, however
+            # often the block ran before (remat warns once per function)
+            call(target, options, args, kwargs, names=name_check(options.policy))
     finally:
         _stack.report = outer
     return report

@@ -202,7 +202,20 @@ def _ddp(rank: int) -> dict:
 
 
 FSDP_CASES = [("checkpoint_wrapper", "vjp_split"), ("checkpoint_wrapper", "vjp_split_prefire"),
-              ("checkpoint_wrapper", "grad_split"), ("remat", "vjp_split"), ("remat", "grad_split")]
+              ("checkpoint_wrapper", "grad_split"), ("remat", "vjp_split"),
+              ("remat", "vjp_split_prefire"), ("remat", "grad_split")]
+
+# How a block of a fully_shard-ed model is checkpointed for a scheduler's own prefire
+# (recompute_handle): the module's forward wrapped, remat on the forward inside the FSDP
+# call, remat around the FSDP call, the remat'd forward replayed lazily by the session, and
+# (refused) a remat'd forward that reaches its block through a global only.
+SESSION_PREFIRES = ("checkpoint_wrapper", "remat", "remat_around_call", "remat_lazy",
+                    "remat_through_a_global")
+_GLOBAL_BLOCKS: list = []
+
+
+def _through_a_global(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: ClassCountedBlock.forward(_GLOBAL_BLOCKS[i], x)
 
 
 def _fsdp(rank: int) -> dict:
@@ -249,22 +262,41 @@ def _fsdp(rank: int) -> dict:
                 sharded_now(ours), ClassCountedBlock.runs,
             ))
         out[(wrap, how)] = checks
-    # a scheduler's own prefire of checkpoint_wrapper blocks (sessions API)
-    ours, ref = shard(model("checkpoint_wrapper")), shard(model("plain"))
-    torch.manual_seed(rank)
-    x = torch.randn(3, D, requires_grad=True)
-    ref(x).sum().backward()
-    with ckptfx.recompute_handle_collector_ctx() as handles:
-        y = ours(x)
-    try:
-        for h in handles:
-            ckptfx.recompute_handle(h, "s")
-        with ckptfx.recompute_session_ctx("s", retain_on_unpack=False):
-            y.sum().backward()
-    finally:
-        ckptfx.clear_recompute_session("s")
-    out["sessions"] = _eq([p.grad.to_local() for p in ours.parameters()],
-                          [p.grad.to_local() for p in ref.parameters()])
+    # a scheduler's own prefire (sessions API: recompute_handle, then the session backward)
+    for how in SESSION_PREFIRES:
+        ours = shard(model("remat" if how in ("remat", "remat_lazy") else
+                           "plain" if how.startswith("remat_") else how))
+        ref = shard(model("plain"))
+        torch.manual_seed(rank)
+        x = torch.randn(3, D, requires_grad=True)
+        ref(x).sum().backward()
+        run = [ours]
+        if how == "remat_around_call":
+            run = [ckptfx.remat(lambda h, b=b: b(h)) for b in ours]
+        elif how == "remat_through_a_global":
+            _GLOBAL_BLOCKS[:] = list(ours)
+            for i, b in enumerate(ours):
+                b.forward = ckptfx.remat(_through_a_global(i))
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            y = x
+            for f in run:
+                y = f(y)
+        error = ""
+        try:
+            if how != "remat_lazy":  # lazy: each block replays in its backward
+                for h in handles:
+                    ckptfx.recompute_handle(h, "s")
+            with ckptfx.recompute_session_ctx("s", retain_on_unpack=False):
+                y.sum().backward()
+        except ckptfx.CheckpointError as err:
+            error = str(err)
+        finally:
+            ckptfx.clear_recompute_session("s")
+            _GLOBAL_BLOCKS.clear()
+        out[("sessions", how)] = (
+            error, _eq([None if p.grad is None else p.grad.to_local() for p in ours.parameters()],
+                       [p.grad.to_local() for p in ref.parameters()]),
+            all(p.grad is None for p in ours.parameters()))
     # an abandoned split (session cleared between dx and dw) reduces nothing, reshards, and
     # leaves FSDP ready for the next step
     ours, ref = shard(model("checkpoint_wrapper")), shard(model("plain"))

@@ -562,9 +562,12 @@ def test_checkpoint_without_arguments_says_it_is_not_a_decorator() -> None:
             ckptfx.checkpoint(block, policy=policy)
         assert "use ckptfx.remat(function, policy=...)" in "".join(
             getattr(info.value, "__notes__", ["use ckptfx.remat(function, policy=...)"]))
-    with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'function'"
-                       r".*use ckptfx.remat\(function, policy=...\) or @ckptfx.remat"):
-        ckptfx.checkpoint(policy=cp.dots_saveable)  # jax.checkpoint's decorator form
+    with pytest.raises(TypeError, match=r"keyword arguments \['mask'\] but no function"):
+        ckptfx.checkpoint(mask=None)  # a function's argument where the curried form's go
+    with pytest.raises(ValueError, match="determinism_check"):
+        ckptfx.checkpoint(determinism_check="sometimes")  # checked at once, curried too
+    with pytest.raises(TypeError, match="function must be callable"):
+        ckptfx.checkpoint(policy=cp.dots_saveable)(3)
     w = torch.randn(3, requires_grad=True)
     out = ckptfx.checkpoint(lambda: (w * 2).sin())
     out.sum().backward()

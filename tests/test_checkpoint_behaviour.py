@@ -103,6 +103,27 @@ def test_early_stop_is_per_call(early_stop: bool, torch_global: bool) -> None:
     assert torch.equal(x.grad, x.cos())
 
 
+@pytest.mark.parametrize("switch", [True, False, None])
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_global_debug_switch_leaves_gradients_and_replays_unchanged(variant: str,
+                                                                    switch: bool | None
+                                                                    ) -> None:
+    """Under torch's set_checkpoint_debug_enabled, which turns ckptfx's debug on or off as it
+    does torch's, a block that replays faithfully gives the same gradients, bit for bit,
+    with one replay: debug only records ops for an error message."""
+    torch.manual_seed(0)
+    w = torch.randn(8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    block = _dropout_block(w)
+    state = torch.get_rng_state()
+    expected = torch.autograd.grad(block.fn(x).sum(), [x, w])
+    torch.set_rng_state(state)
+    with torch_checkpoint.set_checkpoint_debug_enabled(switch):
+        loss = run_variant(variant, block, x).sum()
+    assert_bitwise(torch.autograd.grad(loss, [x, w]), expected)
+    assert block.calls == 2
+
+
 def test_rng_moved_between_forward_and_backward() -> None:
     # The replay uses the forward's RNG state, whatever the caller drew since; the caller's
     # state after the backward is what it was before it.
@@ -408,3 +429,37 @@ def test_checkpoint_wrapper_survives_torch_save_and_load() -> None:
         g_ref = torch.autograd.grad(model(x2).sum(), [x2, *model.parameters()])
         assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
         assert calls == [1]
+
+
+@pytest.mark.parametrize("policy", [None, "dots"])
+def test_curried_form_checkpoints_as_the_direct_call(policy: str | None) -> None:
+    """``checkpoint(**options)(function)(*args, **kwargs)``: torch's curried form (after
+    2.13) and torch_remat's, and a decorator; the same gradients and replays as the direct
+    call."""
+    from ckptfx import checkpoint_policies as cp
+
+    pol = cp.dots_saveable if policy else None
+    w = torch.randn(4, 4, requires_grad=True)
+    calls = [0]
+
+    def block(x: torch.Tensor, *, scale: float) -> torch.Tensor:
+        calls[0] += 1
+        return torch.tanh(x @ w).sin() * scale
+
+    x = torch.randn(3, 4, requires_grad=True)
+    expected = torch.autograd.grad(block(x, scale=0.5).sum(), [x, w])
+    calls[0] = 0
+    out = ckptfx.checkpoint(policy=pol, early_stop=False)(block)(x, scale=0.5)
+    assert torch.equal(out, block(x, scale=0.5).detach())
+    calls[0] = 0
+    actual = torch.autograd.grad(out.sum(), [x, w])
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    assert calls[0] == (1 if pol is None else 0)  # a remat replay runs no Python
+
+    @ckptfx.checkpoint()
+    def decorated(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).sin() * 0.5
+
+    assert decorated.__name__ == "decorated"
+    actual = torch.autograd.grad(decorated(x).sum(), [x, w])
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))

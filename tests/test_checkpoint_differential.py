@@ -396,6 +396,150 @@ def test_selective_checkpoint_second_backward_same_error_as_torch(
     assert "backward an extra time" in str(errors["ckptfx"].value)
 
 
+def _unsafe_view_write(x, w1, w2):
+    # With a 3-D x, matmul is mm + aten._unsafe_view: t shares the cached mm output's storage
+    # but not its version counter, so torch's mutation check cannot see the add_.
+    t = torch.tanh(x @ w1) @ w2
+    t.add_(1.5)
+    return t.sin()
+
+
+def _view_write(x, w1, w2):
+    t = torch.tanh(x @ w1) @ w2
+    t.view(-1)[:3].mul_(2.0)  # a write through a view of the cached value
+    return t.sin() @ w1
+
+
+def _cached_inplace_op(x, w1, w2):
+    t = x @ w1
+    t.add_(torch.ones_like(t))  # the policy caches this add_ itself
+    return t.sin() @ w2
+
+
+_MM = [torch.ops.aten.mm.default]
+
+SAC_WRITES = {
+    # name: (block, the ops the SAC policy caches, what torch 2.13's checkpoint does with a
+    # 3-D x, and with a 2-D x)
+    "unsafe_view_write": (_unsafe_view_write, _MM, "wrong", "refused"),
+    "view_write": (_view_write, _MM, "wrong", "refused"),
+    "cached_inplace_op": (_cached_inplace_op, _MM + [torch.ops.aten.add_.Tensor], "refused",
+                          "refused"),
+}
+
+
+def _sac_write_run(variant: str, block: Any, ops: list, x_dims: int, early_stop: bool,
+                   device: torch.device) -> Any:
+    """Gradients of ``block`` (or the RuntimeError text) with a [2, 3, 5] or [6, 5] x, under
+    a SAC context_fn that caches ``ops``, early stop as given."""
+    torch.manual_seed(0)
+    x = _x(*((2, 3, 5) if x_dims == 3 else (6, 5)), device=device)
+    w1, w2 = _x(5, 5, device=device), _x(5, 5, device=device)
+    ctx_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, ops)
+    with torch_checkpoint.set_checkpoint_early_stop(early_stop):  # torch's global; ckptfx's
+        out = run_variant(variant, block, x, w1, w2,              # per call, below
+                          **({} if variant == "plain" else {"ckpt_context_fn": ctx_fn}),
+                          **({"ckpt_early_stop": early_stop} if variant == "ckptfx" else {}))
+    try:
+        return torch.autograd.grad(_loss(out, device), [x, w1, w2])
+    except RuntimeError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("x_dims", [3, 2])
+@pytest.mark.parametrize("name", list(SAC_WRITES))
+def test_selective_checkpoint_value_written_later_in_the_block_is_recomputed(
+        name: str, x_dims: int, early_stop: bool, device: torch.device) -> None:
+    """A value torch's SAC contexts cached and the block then writes in place (through
+    matmul's _unsafe_view, a view, or the cached op itself) is recomputed by the replay:
+    ckptfx's gradients are plain autograd's, bit for bit. torch's replay hands the written
+    value out (wrong gradients with a 3-D x, where the write escapes its version check) or
+    refuses it ("has been mutated")."""
+    block, ops, torch_3d, torch_2d = SAC_WRITES[name]
+    g_plain = _sac_write_run("plain", block, ops, x_dims, early_stop, device)
+    g_ck = _sac_write_run("ckptfx", block, ops, x_dims, early_stop, device)
+    assert not isinstance(g_ck, str), g_ck
+    assert_bitwise(g_ck, g_plain)
+    g_torch = _sac_write_run("torch", block, ops, x_dims, early_stop, device)
+    if (torch_3d if x_dims == 3 else torch_2d) == "wrong":
+        assert any(not torch.equal(a, b) for a, b in zip(g_torch, g_plain))
+    else:
+        assert "cached during selective activation checkpoint has been mutated" in g_torch
+
+
+@pytest.mark.parametrize("x_dims", [3, 2])
+def test_selective_checkpoint_output_written_after_the_forward_is_recomputed(
+        x_dims: int, device: torch.device) -> None:
+    """The block's output aliases a cached mm output and the caller writes it after the
+    forward: the replay recomputes the mm, so the gradients are those of the forward as it
+    ran, as without SAC (plain autograd refuses the write: the output was saved)."""
+
+    def block(x, w1, w2):
+        t = torch.tanh(x @ w1) @ w2  # the cached mm output, as t
+        return t, torch.tanh(t @ w1)
+
+    results = []
+    for variant, sac, write in (("plain", False, False), ("ckptfx", True, True),
+                                ("ckptfx", False, True)):
+        torch.manual_seed(0)
+        x = _x(*((2, 3, 5) if x_dims == 3 else (6, 5)), device=device)
+        w1, w2 = _x(5, 5, device=device), _x(5, 5, device=device)
+        opts = {"ckpt_context_fn": functools.partial(
+            torch_checkpoint.create_selective_checkpoint_contexts,
+            [torch.ops.aten.mm.default])} if sac else {}
+        t, u = run_variant(variant, block, x, w1, w2, **opts)
+        if write:
+            with torch.no_grad():
+                t.mul_(3.0)
+        results.append(torch.autograd.grad(_loss(u, device), [x, w1, w2]))
+    assert_bitwise(results[1], results[0])
+    assert_bitwise(results[2], results[0])
+
+
+def test_checkpoint_wrapper_sac_context_fn_recomputes_a_written_cache() -> None:
+    """checkpoint_wrapper's context_fn goes the same way as checkpoint's (3-D x, the write
+    through _unsafe_view)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w2 = nn.Parameter(torch.randn(5, 5)), nn.Parameter(torch.randn(5, 5))
+
+        def forward(self, x):
+            return _unsafe_view_write(x, self.w1, self.w2)
+
+    grads_of = {}
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        block = Block()
+        if wrapped:
+            ckptfx.checkpoint_wrapper(block, context_fn=functools.partial(
+                torch_checkpoint.create_selective_checkpoint_contexts, _MM))
+        x = torch.randn(2, 3, 5, requires_grad=True)
+        grads_of[wrapped] = torch.autograd.grad(block(x).sum(), [x, *block.parameters()])
+    assert_bitwise(grads_of[True], grads_of[False])
+
+
+def test_selective_checkpoint_without_writes_keeps_what_torch_keeps(device: torch.device
+                                                                   ) -> None:
+    """The write watch leaves an untouched cache alone: the replay serves every mm from it,
+    as torch's does."""
+    counts = {}
+    for variant in ("torch", "ckptfx"):
+        torch.manual_seed(0)
+        x, w = _x(2, 3, D, device=device), _x(D, D, device=device)
+        ctx_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts,
+                                   [torch.ops.aten.mm.default])
+        out = run_variant(variant, lambda x: torch.tanh(torch.tanh(x @ w) @ w).sum(), x,
+                          ckpt_context_fn=ctx_fn)
+        with _OpCounter() as ops:
+            out.backward()
+        counts[variant] = ops.counts
+    assert counts["ckptfx"] == counts["torch"]
+    assert counts["ckptfx"]["aten.mm"] == 4  # the backward's own: no mm replayed
+
+
 # -- checkpoint_wrapper ---------------------------------------------------------------------
 
 

@@ -69,6 +69,62 @@ def test_bad_options_same_type_as_torch(options) -> None:
     assert type(from_ckptfx.value) is type(from_torch.value)
 
 
+# -- what context_fn returns ---------------------------------------------------------------
+
+
+class _Calls(torch.nn.Module):
+    """A module whose forward calls ``fn`` (for checkpoint_wrapper)."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+BAD_CONTEXT_PAIRS = {
+    "none_pair": lambda: (None, None),
+    "none": lambda: None,
+    "one_context": lambda: (contextlib.nullcontext(),),
+    "three_contexts": lambda: [contextlib.nullcontext()] * 3,
+    "recompute_not_a_context": lambda: (contextlib.nullcontext(), "replay"),
+    "a_string_of_two": lambda: "ab",
+}
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_wrapper"])
+@pytest.mark.parametrize("name", list(BAD_CONTEXT_PAIRS))
+def test_context_fn_must_return_a_pair_of_context_managers(name: str, how: str) -> None:
+    block = Counted(torch.sin)
+    x = torch.randn(3, requires_grad=True)
+    module = _Calls(block)
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        with pytest.raises(TypeError) as info:
+            if how == "checkpoint":
+                ckptfx.checkpoint(block, x, context_fn=BAD_CONTEXT_PAIRS[name])
+            else:
+                ckptfx.checkpoint_wrapper(module, context_fn=BAD_CONTEXT_PAIRS[name])(x)
+    message = str(info.value)
+    assert "context_fn" in message and "context manager" in message
+    assert block.calls == 0 and handles == [] and saved_hooks_stack_empty()
+    ckptfx.checkpoint(block, x, context_fn=_custom_ctx_fn).sum().backward()  # the next works
+    assert block.calls == 2 and torch.equal(x.grad, x.cos())
+
+
+@pytest.mark.parametrize("name", ["none_pair", "none", "recompute_not_a_context"])
+def test_bad_context_fn_result_same_type_as_torch(name: str) -> None:
+    """torch raises TypeError too: in the forward, or for a bad recompute context only when
+    its backward enters it; ckptfx raises in the forward, before anything is saved."""
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(Exception) as from_torch:
+        torch_checkpoint.checkpoint(torch.sin, x, use_reentrant=False,
+                                    context_fn=BAD_CONTEXT_PAIRS[name]).sum().backward()
+    with pytest.raises(Exception) as from_ckptfx:
+        ckptfx.checkpoint(torch.sin, x, context_fn=BAD_CONTEXT_PAIRS[name])
+    assert type(from_ckptfx.value) is type(from_torch.value) is TypeError
+
+
 @pytest.mark.parametrize("function", [3, None, "sin"])
 def test_non_callable_function(function) -> None:
     with pytest.raises(TypeError, match="function must be callable"):
@@ -156,6 +212,79 @@ def test_debug_error_has_op_traces() -> None:
     forward_part, replay_part = message.split("Ops of the replay")
     assert "aten.sin" in forward_part and "aten.sin" in replay_part
     assert "test_checkpoint_errors.py" in forward_part  # each op names the user's line
+
+
+def _debug_run(variant: str, switch: bool | None, debug: bool | None = None):
+    """The dtype-flipping block's backward error under ``variant`` (``"wrapper"``: a
+    ``checkpoint_wrapper``'d module), with torch's global debug switch at ``switch``."""
+    x = torch.randn(4, requires_grad=True)
+    block = _dtype_flipping_block()
+    options = {} if debug is None else {"debug": debug}
+    with torch_checkpoint.set_checkpoint_debug_enabled(switch):
+        if variant == "wrapper":
+            loss = ckptfx.checkpoint_wrapper(_Calls(block), **options)(x)
+        else:
+            loss = run_variant(variant, block, x, **{f"ckpt_{k}": v for k, v in options.items()})
+    with pytest.raises(torch_checkpoint.CheckpointError) as info:
+        loss.backward()  # outside the switch: torch reads it at the forward
+    return info.value
+
+
+@pytest.mark.parametrize("variant", ["ckptfx", "wrapper"])
+@pytest.mark.parametrize("debug", [None, False])
+def test_global_debug_switch_turns_debug_on_as_for_torch(variant: str, debug: bool | None
+                                                         ) -> None:
+    """torch.utils.checkpoint.set_checkpoint_debug_enabled(True) overrides debug= (left out
+    or False): both checkpoints dump their op traces, say that debugging is why, and drop the
+    tip that says how to turn it on."""
+    from_torch = str(_debug_run("torch", True, debug))
+    assert "because you passed `debug=True`" in from_torch
+    assert "Tip: To see a more detailed error message" not in from_torch
+    err = _debug_run(variant, True, debug)
+    assert isinstance(err, ckptfx.CheckpointError)
+    message = str(err)
+    assert "position 1" in message  # the mismatch itself is still said
+    assert "Ops of the original forward" in message and "Ops of the replay" in message
+    assert "You are seeing these op lists because checkpoint debugging is on" in message
+    assert "set_checkpoint_debug_enabled(True) was active" in message
+    assert "Tip: pass debug=True" not in message
+
+
+@pytest.mark.parametrize("variant", ["ckptfx", "wrapper"])
+def test_global_debug_switch_off_overrides_debug_true_as_for_torch(variant: str) -> None:
+    from_torch = str(_debug_run("torch", False, True))
+    assert "because you passed `debug=True`" not in from_torch
+    assert "Tip: To see a more detailed error message" in from_torch
+    message = str(_debug_run(variant, False, True))
+    assert "Ops of the original forward" not in message
+    assert message.endswith(ckptfx.kernel.frame.DEBUG_TIP)
+    assert "set_checkpoint_debug_enabled(True)" in message  # the tip names both switches
+
+
+def test_debug_true_error_says_why_it_shows_ops_instead_of_the_tip() -> None:
+    message = str(_debug_run("ckptfx", None, True))
+    assert "Ops of the original forward" in message
+    assert "checkpoint debugging is on for this block: debug=True was passed" in message
+    assert "Tip: pass debug=True" not in message
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_wrapper"])
+def test_global_debug_switch_with_a_context_fn_is_refused_as_by_torch(how: str) -> None:
+    block = Counted(torch.sin)
+    x = torch.randn(3, requires_grad=True)
+    with torch_checkpoint.set_checkpoint_debug_enabled(True):
+        with pytest.raises(ValueError, match="debug=True is incompatible"):
+            torch_checkpoint.checkpoint(block, x, use_reentrant=False,
+                                        context_fn=_custom_ctx_fn)
+        with ckptfx.recompute_handle_collector_ctx() as handles:
+            with pytest.raises(ValueError) as info:
+                if how == "checkpoint":
+                    ckptfx.checkpoint(block, x, context_fn=_custom_ctx_fn)
+                else:
+                    ckptfx.checkpoint_wrapper(_Calls(block), context_fn=_custom_ctx_fn)(x)
+    assert "set_checkpoint_debug_enabled(True)" in str(info.value)
+    assert "context_fn" in str(info.value)
+    assert block.calls == 0 and handles == []
 
 
 @pytest.mark.parametrize("variant", CHECKPOINTED)

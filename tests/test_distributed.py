@@ -233,9 +233,27 @@ def test_fsdp2_split_is_bitwise_and_reshards(two_ranks: dict, wrap: str, how: st
         assert r["fsdp"][(wrap, how)] == [(True, True, True, True, runs)] * 2
 
 
-def test_fsdp2_scheduler_prefire_of_wrapped_blocks(two_ranks: dict) -> None:
+@pytest.mark.parametrize("how", [h for h in workers.SESSION_PREFIRES
+                                 if h != "remat_through_a_global"])
+def test_fsdp2_scheduler_prefire_unshards_the_blocks_modules(two_ranks: dict, how: str
+                                                            ) -> None:
+    """recompute_handle before the session backward: wrapped blocks, remat on the forward
+    inside the FSDP call, remat around the call (the module a default argument), and a lazy
+    session replay; the sharded gradients are bitwise FSDP's plain backward's."""
     for r in two_ranks.values():
-        assert r["fsdp"]["sessions"]
+        assert r["fsdp"][("sessions", how)] == ("", True, False)
+
+
+def test_fsdp2_prefire_of_a_block_whose_module_it_cannot_see_is_refused(two_ranks: dict
+                                                                       ) -> None:
+    """A remat'd function that reaches its FSDP block only through a global: the prefire
+    cannot unshard it, and the replay refuses the resharded parameters before any gradient
+    is written, saying what works instead."""
+    for r in two_ranks.values():
+        error, _, no_grads = r["fsdp"][("sessions", "remat_through_a_global")]
+        assert "FSDP resharded it after the forward" in error
+        assert "vjp_split" in error
+        assert no_grads
 
 
 def test_fsdp2_abandoned_split_reduces_nothing_and_reshards(two_ranks: dict) -> None:

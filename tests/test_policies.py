@@ -254,3 +254,23 @@ def test_checkpoint_policies_has_jax_names_and_says_which_it_has() -> None:
     with pytest.raises(AttributeError, match=r"no policy 'save_anything_except_these_names' "
                                              r"\(JAX's: a checkpoint_name tags a value after"):
         cp.save_anything_except_these_names  # noqa: B018
+
+
+def test_context_fn_pairs_other_than_torchs_selective_ones_are_entered_as_given() -> None:
+    """ckptfx.policies.contexts guards only the pair create_selective_checkpoint_contexts
+    makes; any other pair of context managers comes back as it was."""
+    import contextlib
+
+    from ckptfx.policies.contexts import checked_contexts
+
+    pair = (contextlib.nullcontext(), contextlib.ExitStack())
+    forward, recompute = checked_contexts(lambda: pair)
+    assert forward is pair[0] and recompute is pair[1]
+    made = []
+
+    def sac():
+        made.append(create_selective_checkpoint_contexts([aten.mm.default]))
+        return made[-1]
+
+    forward, recompute = checked_contexts(sac)
+    assert (forward.inner, recompute.inner) == made[0]  # torch's own modes, guarded

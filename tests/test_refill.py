@@ -534,3 +534,30 @@ def test_an_output_whose_storage_the_block_did_not_make_is_saved_as_is(
     assert results[1][0] == results[0][0]
     if results[0][0] == "ok":
         assert torch.equal(results[1][1], results[0][1])
+
+
+@pytest.mark.parametrize("variant", ["ckptfx", "remat"])
+def test_output_of_a_block_drawing_from_an_explicit_generator_is_refilled_bitwise(
+        variant: str, device: torch.device) -> None:
+    """Rule 2c: a refilled output that depends on an explicit generator's draws is the
+    forward's: the replay starts the generator where the forward did (torch's checkpoint
+    restores only the default generators; without refill it never replays the output)."""
+    gen = torch.Generator(device=device)
+    w = torch.randn(4, 4, device=device, requires_grad=True)
+    v = torch.randn(4, 4, device=device, requires_grad=True)
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        return h + torch.rand(h.shape, generator=gen, device=device)  # dx needs no noise
+
+    wrap = {"plain": block, "ckptfx": lambda x: ckptfx.checkpoint(block, x),
+            "remat": ckptfx.remat(block)}
+
+    def run(name: str, refill: bool) -> list[torch.Tensor]:
+        gen.manual_seed(3)
+        with ckptfx.refill_outputs() if refill else contextlib.nullcontext():
+            loss = (wrap[name](x) @ v).tanh().sum()  # the matmul saves the block's output
+        return [*torch.autograd.grad(loss, [x, w, v]), gen.get_state()]
+
+    assert_bitwise(run(variant, refill=True), run("plain", refill=False))

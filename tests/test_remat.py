@@ -329,7 +329,7 @@ def test_not_replayable_block_reruns_the_function_exactly(early_stop: bool) -> N
     calls = [0]
     block = ckptfx.remat(_numpy_filled, static_argnums=2, early_stop=early_stop)
     out, seg = segment_of(block, x, w, calls)
-    assert not seg.replayable and "torch.empty" in seg.why_not
+    assert not seg.replayable and "Tensor.numpy()" in seg.why_not  # its memory escaped
     out.sum().backward()
     assert calls[0] == 2  # forward + one re-run of the function
     assert_bitwise(grads([x, w]), expected)

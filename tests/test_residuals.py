@@ -113,6 +113,7 @@ def test_mlp_residuals_match_jax(policy: str) -> None:
     assert len(residuals) == len({r.source for r in residuals})
 
 
+@pytest.mark.filterwarnings("ignore::ckptfx.UnusedNameWarning")  # any_but_h: no 'h' here
 @pytest.mark.parametrize("policy", list(ATTN_EXPECTED))
 def test_attention_residuals_match_jax(policy: str) -> None:
     fn = ckptfx.remat(attention, policy=POLICIES[policy])
@@ -250,3 +251,21 @@ def test_everything_saveable_keeps_what_the_plain_function_keeps() -> None:
     every = ckptfx.saved_residuals(ckptfx.remat(attention, policy=cp.everything_saveable), p, x)
     assert [(r.shape, r.kind, r.source) for r in plain] == [
         (r.shape, r.kind, r.source) for r in every]
+
+
+def test_report_warns_about_policy_names_that_match_nothing() -> None:
+    """The report is where a user checks a name-based policy: a name that tags nothing is
+    said there, even when the block already ran (and warned) before."""
+    w = torch.randn(4, 4)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return ckptfx.checkpoint_name(torch.tanh(x @ w), "h").sin()
+
+    rematted = ckptfx.remat(block, policy=ckptfx.checkpoint_policies.save_only_these_names(
+        "attn", "h"))
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.warns(ckptfx.UnusedNameWarning):
+        rematted(x)
+    for report in (ckptfx.saved_residuals, ckptfx.print_saved_residuals):
+        with pytest.warns(ckptfx.UnusedNameWarning, match=r"names \['attn'\]"):
+            report(rematted, x)

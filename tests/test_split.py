@@ -87,10 +87,10 @@ def inputs(shape: tuple[int, ...] = (2, 5, D),
     return torch.randn(shape).to(device), torch.randn(shape).to(device)
 
 
-@pytest.fixture(params=["per_group", "whole"])
+@pytest.fixture(params=["per_group", "fused"])
 def weight_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both weight passes (``ckptfx.split.weight_calls``): one call per group, or one plain weight
-    backward from the outputs (what the rule picks for these small blocks)."""
+    """Both passes (``ckptfx.split.weight_calls``): dw from the intermediates' captured
+    gradients, or one fused backward in dx (what the rule picks for these small blocks)."""
     monkeypatch.setattr(weight_calls, "_force", request.param)
     return request.param
 
@@ -118,13 +118,15 @@ def test_vjp_split_bitwise_and_one_replay_per_block(autocast: bool, weight_pass:
     dx = dx_fn(g)
     assert stack.runs() == [2, 2, 2]  # forward + the prefire replay, already
     assert dw_fn() == ()  # no non-x primals: nothing returned, .grad filled
-    assert stack.runs() == [2, 2, 2]  # dw read the same replay (5 parameter groups per block)
+    assert stack.runs() == [2, 2, 2]  # dw read the same replay
     assert_bitwise([dx, *(p.grad for p in params)], ref)
 
 
 @pytest.mark.parametrize("variant", ["plain", "torch", "ckptfx"])
-def test_differential_variants_same_grads_counted_runs(variant: str, device: torch.device) -> None:
-    """Same split under no checkpoint, torch's checkpoint and ckptfx: grads equal, runs differ."""
+def test_differential_variants_same_grads_counted_runs(variant: str, weight_pass: str,
+                                                       device: torch.device) -> None:
+    """Same split under no checkpoint, torch's checkpoint and ckptfx: grads equal, runs differ
+    where dx and dw are two backward calls (per group)."""
     stack = make_stack(variant, device=device)
     x, g = inputs(device=device)
     ref = reference(stack, x, g, False)
@@ -139,9 +141,11 @@ def test_differential_variants_same_grads_counted_runs(variant: str, device: tor
         assert runs == [1, 1, 1]
     elif variant == "ckptfx":
         assert runs == [2, 2, 2]
-    else:
-        # torch replays for dx and again in each weight-group backward call
+    elif weight_pass == "per_group":
+        # torch replays for dx and again for dw's weight halves
         assert all(r > 2 for r in runs), runs
+    else:
+        assert runs == [2, 2, 2]  # one fused backward in dx: torch replays once too
 
 
 def test_primals_as_pytrees_functional_params(device: torch.device) -> None:
@@ -225,6 +229,50 @@ def test_inputs_not_differentiable_and_output_independent_of_inputs(device: torc
     assert stack.runs() == [2, 2]
 
 
+def _assert_same_grad(a: torch.Tensor, e: torch.Tensor) -> None:
+    """Bit for bit, a sparse gradient's layout, coalesced flag, indices and values included."""
+    assert a.layout == e.layout and a.dtype == e.dtype and a.shape == e.shape
+    if e.is_sparse:
+        assert a.is_coalesced() == e.is_coalesced()
+        assert torch.equal(a._indices(), e._indices()) and torch.equal(a._values(), e._values())
+    assert torch.equal(a.to_dense(), e.to_dense())
+
+
+@pytest.mark.parametrize("ck", [False, True])
+def test_sparse_embedding_gradient_accumulates_as_backward_does(ck: bool, weight_pass: str,
+                                                                device: torch.device) -> None:
+    """``nn.Embedding(sparse=True)``: its weight's ``.grad`` is sparse, uncoalesced, with the
+    indices and values ``backward()`` gives, first set and then accumulated over a second
+    step, as plain ``backward()`` leaves them; the dense weights too."""
+    if device.type not in ("cpu", "cuda"):
+        pytest.skip(f"no sparse kernels on {device.type} (plain backward() fails there too)")
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(10, D, sparse=True).to(device), nn.Linear(D, D).to(device)
+    params = [*emb.parameters(), *lin.parameters()]
+    steps = [torch.tensor([[1, 2, 1], [3, 1, 0]]), torch.tensor([[4, 1, 4], [0, 0, 9]])]
+    x, g = inputs((2, 3, D), device=device)
+
+    def block(idx: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return lin(torch.tanh(emb(idx.to(device)) + t))
+
+    def fun(t: torch.Tensor, idx: torch.Tensor, use_ck: bool) -> torch.Tensor:
+        return ckptfx.checkpoint(block, idx, t) if use_ck else block(idx, t)
+
+    expected = []
+    for idx in steps:  # two plain backward() calls accumulate
+        fun(x.clone().requires_grad_(), idx, False).backward(g)
+        expected.append([p.grad.clone() for p in params])
+    for p in params:
+        p.grad = None
+    for idx, ref in zip(steps, expected):
+        _, dx_fn, dw_fn = ckptfx.vjp_split(lambda t, i=idx: fun(t, i, ck), x, params=params)
+        dx_fn(g)
+        dw_fn()
+        assert params[0].grad.is_sparse
+        for p, e in zip(params, ref):
+            _assert_same_grad(p.grad, e)
+
+
 def test_unused_input_gets_zeros_and_existing_grad_accumulates(device: torch.device) -> None:
     stack = make_stack(n=1, device=device)
     x, g = inputs(device=device)
@@ -243,7 +291,8 @@ def test_unused_input_gets_zeros_and_existing_grad_accumulates(device: torch.dev
 
 
 def test_shared_weight_used_by_two_blocks(weight_pass: str, device: torch.device) -> None:
-    """One parameter group with two intermediates: pinned captured gradients keep it exact."""
+    """A block used twice: each weight's two gradients, from two intermediates, sum as in a
+    fused backward, bit for bit."""
     torch.manual_seed(0)
     blk = Block(norm=True).to(device)
     x, g = inputs(device=device)
@@ -276,8 +325,8 @@ def _flops(fn: Callable[[], Any]) -> int:
 
 
 def test_dx_plus_dw_flops_equal_one_fused_backward(weight_pass: str, device: torch.device) -> None:
-    """Per group, dx + dw do one fused backward's work; the whole pass's dw does a plain
-    weight backward's (it recomputes the input-path gradients dx computed)."""
+    """Either pass does one fused backward's work: per group split between dx and dw, fused
+    all of it in dx."""
     # Functional blocks: FlopCounterMode's module tracker hooks nn.Module calls (replays too).
     torch.manual_seed(0)
     ws = [(torch.randn(H, D).to(device).requires_grad_(),
@@ -305,14 +354,14 @@ def test_dx_plus_dw_flops_equal_one_fused_backward(weight_pass: str, device: tor
         prefire = _flops(dx_fn.prefire)
         dx_flops = _flops(lambda: dx_fn(g))
         dw_flops = _flops(dw_fn)
-        assert dx_flops > 0 and dw_flops > 0
         assert (prefire > 0) == ck  # the one replay of each block (its forward matmuls)
+        # (a checkpointed graph's own backward replays: that is the prefire's work)
+        assert prefire + dx_flops + dw_flops == fused
         if weight_pass == "per_group":
-            assert prefire + dx_flops + dw_flops == fused
+            # dx an input backward's work, dw only the weight gradients' (no replay)
+            assert prefire + dx_flops == inputs_only and 0 < dw_flops < weights_only
         else:
-            # (a checkpointed graph's own backward replays: that is the prefire's work)
-            assert prefire + dx_flops == inputs_only and prefire + dw_flops == weights_only
-            assert fused < dx_flops + dw_flops
+            assert dw_flops == 0
 
 
 # -- memory between dx and dw ---------------------------------------------------------------
@@ -371,8 +420,8 @@ def test_nothing_alive_after_dw(weight_pass: str, device: torch.device) -> None:
     frame_refs = [weakref.ref(f) for f in frames]
     del frames
     dx = dx_fn(g)
-    captured = [weakref.ref(t) for grads in split.captured.values() for t in grads
-                if t is not None]
+    captured = [weakref.ref(t) for pair in split.passed.captured.values() for grads in pair
+                for t in grads if t is not None]
     assert replayed and (bool(captured) == (weight_pass == "per_group"))
     dw_fn()
     del split
@@ -495,7 +544,7 @@ def test_an_abandoned_split_frees_its_key_and_leaves_the_next_split_alone(
     assert not ckptfx.recompute_session_stats()
 
 
-def test_dw_that_raises_still_releases_everything(device: torch.device) -> None:
+def test_dw_that_raises_still_releases_everything(per_group: None, device: torch.device) -> None:
     torch.manual_seed(0)
     blk, head = Block(norm=True).to(device), nn.Linear(D, D).to(device)
     x, g = inputs(device=device)
@@ -722,6 +771,6 @@ def test_vjp_split_over_remat_blocks(policy: str | None, device: torch.device) -
     with _CountOps(torch.ops.aten.tanh.default) as tanh:
         dx = dx_fn(g)
         dws = dw_fn()
-    assert tanh.count == 3  # one replay per block, shared by dx and both weight groups
+    assert tanh.count == 3  # one replay per block, shared by dx and dw
     assert_bitwise([dx, *(w for p in dws for w in p.values())], ref)
     assert not ckptfx.recompute_session_stats()

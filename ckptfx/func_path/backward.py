@@ -12,6 +12,12 @@ outputs through ``RematFunction`` at the level that differentiates it. Rules of 
    with the forward's; any difference is a ``CheckpointError``, never a wrong gradient.
 3. **Levels below are identities (func_path/call.py's Rule 4).** At an outer grad level, and in
    forward mode, the outputs' gradients and tangents pass on unchanged.
+4. **Cotangents enter the replay as they would enter the plain function's graph.** An output
+   nothing read gets no gradient (not a materialized zero), and each other output gets the
+   very tensor the outer engine holds (``_Seed``, not ``1.0 * g``). Values alone are not
+   enough: a gradient laid out otherwise (a contiguous zero added into a transposed one,
+   an expanded cotangent made dense) sends CPU kernels such as ``gelu_backward`` down
+   another vectorization path, and the last bits change.
 """
 
 from __future__ import annotations
@@ -49,6 +55,13 @@ class RematFunction(torch.autograd.Function):
         ctx.n = n
         ctx.level = _compat.functorch_level()  # the transform level this node belongs to
         ctx.save_for_backward(*inputs[2 + n + len(block.uses):])
+        # Rule 4: an output nothing read gets no gradient (None), as in plain autograd. A
+        # materialized zero would be added into the gradient of the op that made it in the
+        # replay (an output the block also reads on, like an aux): the sum's values are the
+        # same, but its layout is the zeros' (contiguous) rather than the other term's, and
+        # a CPU kernel downstream (gelu_backward) takes another vectorization path on it:
+        # last-bit differences.
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -127,24 +140,24 @@ def _per_use_gradients(block: FuncBlock, inputs: tuple[torch.Tensor, ...],
                                       else _compat.functorch_unwrap_level(g, level))
             node.register_hook(hook)
 
-    def dot(*diff: torch.Tensor) -> torch.Tensor | None:
-        # The gradient of sum(out * g) by out is exactly g (1.0 * g), so this is the vjp;
-        # unlike torch.func.vjp's vjp_fn it runs the backward while its own transform
-        # level is alive, which nested remat'd blocks (whose backward replays under a
-        # transform in turn) need.
+    def dot(*diff: torch.Tensor) -> torch.Tensor:
+        # A scalar whose gradient by each output is its cotangent, handed on as the very
+        # tensor the outer engine passed (``_Seed``), so this is the vjp; unlike
+        # torch.func.vjp's vjp_fn it runs the backward while its own transform level is
+        # alive, which nested remat'd blocks (whose backward replays under a transform in
+        # turn) need.
         outs = replay(*diff)
         hook_uses(outs, diff)
-        total = None
-        for p, g in zip(block.diff_positions, grads):
-            if g is not None:
-                term = (outs[p] * g).sum()
-                total = term if total is None else total + term
-        return total
+        return _Seed.apply(len(live), *(outs[p] for p, _ in live), *(g for _, g in live))
+
+    # Only outputs that received a gradient take part (Rule 4): as in plain autograd, an
+    # output nothing read adds nothing, not even a zero (see ``setup_context``).
+    live = [(p, g) for p, g in zip(block.diff_positions, grads) if g is not None]
 
     def replay_hooked(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outs = replay(*diff)
         hook_uses(outs, diff)
-        return tuple(outs[p] for p in block.diff_positions)
+        return tuple(outs[p] for p, _ in live)
 
     try:
         vjp_fn = None
@@ -160,7 +173,7 @@ def _per_use_gradients(block: FuncBlock, inputs: tuple[torch.Tensor, ...],
             else:
                 torch.func.grad(dot, argnums=tuple(range(len(primals))))(*primals)
         if vjp_fn is not None:
-            vjp_fn(tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)))
+            vjp_fn(tuple(g for _, g in live))
     except RuntimeError as err:
         if "randomness" not in str(err):
             raise
@@ -175,6 +188,34 @@ def _per_use_gradients(block: FuncBlock, inputs: tuple[torch.Tensor, ...],
     for k in block.uses:
         result.append(next(it) if k in wanted else None)
     return result
+
+
+class _Seed(torch.autograd.Function):
+    """The replay's loss: a scalar (its value unused) whose backward hands each output its
+    cotangent unchanged.
+
+    Plain autograd passes the output's grad_fn the cotangent as the outer engine holds it.
+    ``sum(out * g)`` would pass ``1.0 * g`` instead: the same values, but a new tensor laid
+    out by the multiplication, dense where ``g`` is expanded (``loss = out.sum()`` hands an
+    expanded cotangent) or strided otherwise, and CPU kernels take other vectorization paths
+    by layout (``gelu_backward``: last-bit differences). Inputs: ``n``, the ``n`` outputs,
+    their ``n`` cotangents.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(n: int, *tensors: torch.Tensor) -> torch.Tensor:
+        return tensors[0].new_zeros(())
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.n = inputs[0]
+        ctx.cotangents = inputs[1 + ctx.n:]
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *ctx.cotangents, *(None,) * ctx.n)
 
 
 def find_uses(roots: list[torch.Tensor], edges: dict[tuple[int, int], Any], start: int | None

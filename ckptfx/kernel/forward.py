@@ -10,7 +10,8 @@ pushes the recorder's hooks, not these.)
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch.utils.checkpoint import noop_context_fn
@@ -27,7 +28,12 @@ from ckptfx.kernel.frame import (
 )
 from ckptfx.kernel.function_replay import rerun_function
 from ckptfx.kernel.handles import collect, uncollect
-from ckptfx.kernel.refill import first_node, plain_saves, scope_on_top
+from ckptfx.kernel.refill import (
+    NoteExplicitDraws,
+    first_node,
+    plain_saves,
+    scope_on_top,
+)
 
 __all__ = ["run_checkpointed"]
 
@@ -66,6 +72,8 @@ def run_checkpointed(
     first = first_node() if refill is not None else None
     suppressed = True
     collectives = forward_context(frame)
+    if refill is not None:  # refill.py Rule 2c
+        collectives = _noting_draws(collectives, frame)
     # frame.py Rule 4b: a frame handed to a scheduler reads its session replays in C
     _compat.push_saved_tensors_hooks(
         frame.pack, unpack_hook if handles is None else frame.reads.__getitem__)
@@ -93,3 +101,10 @@ def run_checkpointed(
     if refill is not None:
         refill.register(frame, out, args, first_node=first)
     return out
+
+
+
+@contextlib.contextmanager
+def _noting_draws(ctx: ContextManager, frame: Frame) -> Iterator[None]:
+    with ctx, NoteExplicitDraws(frame):
+        yield

@@ -129,9 +129,12 @@ class CheckpointError(_torch_checkpoint.CheckpointError):
     """
 
 
+# The last line of a replay-mismatch error raised with debug off; kernel/debug.py takes it
+# off again (and says why the op lists are there) when debug is on.
 DEBUG_TIP = (
-    "Tip: pass debug=True to ckptfx.checkpoint to see the ops of the forward and of the "
-    "replay side by side."
+    "Tip: pass debug=True to ckptfx.checkpoint (or run the forward inside "
+    "torch.utils.checkpoint.set_checkpoint_debug_enabled(True)) to see the ops of the forward "
+    "and of the replay side by side."
 )
 
 # Thread state read on the slow path only:

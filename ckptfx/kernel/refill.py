@@ -32,6 +32,14 @@ Rules
    on the refilled outputs too: a re-run block must not read a tensor or Python state that
    changes between its forward and its backward (remat's recorded calls check tensors).
 
+   2c. Random numbers are the exception the kernel takes care of: a re-run frame's forward
+   under the context runs under ``NoteExplicitDraws``, which has the frame's replay
+   environment note each explicit ``torch.Generator`` the block draws from (its state before
+   the first draw), as remat's recorder does. The replay then starts those generators where
+   the forward did, so a refilled output that depends on them is the forward's, bitwise.
+   (Without the context the output itself is saved, and only the block's own backward reads
+   the replay: there torch's contract, which restores only the default generators, holds.)
+
 3. A pack of a registered output at the version it had when the block returned, or of a
    view of it with its dtype (``linear`` on a 3-d input saves ``x.view(-1, d)``), becomes a
    ``_Handle``: the frame, the output's position, the view's geometry, weak references to
@@ -74,6 +82,7 @@ import optree
 import torch
 
 from ckptfx import _compat
+from ckptfx._ops import op_info
 from ckptfx.kernel.frame import CheckpointError, Frame, Replay
 
 __all__ = ["refill_outputs"]
@@ -326,6 +335,28 @@ class _Scope:
         for j, y in enumerate(chosen):
             key = id(y)
             outputs[key] = (weakref.ref(y, _forget(outputs, key)), frame_ref, j, y._version)
+
+
+class NoteExplicitDraws(_compat.TorchDispatchMode):
+    """Rule 2c: the frame's environment notes every explicit generator the forward draws
+    from, before its first draw."""
+
+    def __init__(self, frame: Frame) -> None:
+        super().__init__()
+        self.env = frame.env
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled code the block calls runs compiled, as without the context
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if op_info(func).seeded:
+            for g in (*args, kwargs.get("generator")):
+                if isinstance(g, torch.Generator):
+                    self.env.note_generator(g)
+        return func(*args, **kwargs)
 
 
 def first_node() -> int:

@@ -13,7 +13,9 @@ The mechanism, one idea per file (imports point down, in this order):
 - ``budget_policy.py``: ``memory_budget(fraction)``'s policy value (its planning is
   ``ckptfx.budget``'s);
 - ``named.py``: JAX's named policies and factories, and the ``checkpoint_policies`` namespace;
-- ``checks.py``: what ``remat`` checks and says about a policy (``UnusedNameWarning``).
+- ``checks.py``: what ``remat`` checks and says about a policy (``UnusedNameWarning``);
+- ``contexts.py``: what a ``checkpoint`` ``context_fn`` returns, checked, and torch's
+  selective-checkpoint contexts guarded against cached values written after caching.
 
 Rules:
 

@@ -8,16 +8,21 @@ the kernel and the policies only):
 - ``signature.py``: call signatures, and caches kept per remat'd function without keeping
   anything alive;
 - ``segment.py``: the recorded segment and its replay, under the forward's generator states;
+- ``draws.py``: what each random op replays its generators from, by comparing their states;
+- ``escapes.py``: block values whose memory leaves the dispatcher while a block is recorded;
 - ``packs.py``: the residual holders, the tracer's pack hook and the values kept for the
   replay;
 - ``tracer.py``: ``Tracer``, the dispatch mode that records a block;
+- ``places.py``: where the tensors an unrecorded call reads live, and their checks;
 - ``unrecorded.py``: later calls of a block that keeps nothing, run as plain kernel frames.
 
 Rules (each file's own note gives the detail):
 
 1. **A recording is replayed only where it is shown replayable**; anything it cannot vouch for
-   (a buffer filled outside the dispatcher, a tensor subclass, a collective) makes the frame
-   re-run the Python function instead, the kernel's default (tracer.py Rule 4).
+   (a buffer filled outside the dispatcher, a value handed to NumPy, a tensor subclass, a
+   collective) makes the frame re-run the Python function instead, the kernel's default
+   (tracer.py Rule 4); state it can check (generator states, the default dtype) is checked
+   and replayed (tracer.py Rule 5, segment.py Rule 3c).
 2. **The policy is asked once per op**, and its answer belongs to the op's outputs (packs.py
    Rule 2); a replay recomputes only what the kept values do not cover, at the versions the
    forward read (segment.py Rule 3).

@@ -143,6 +143,11 @@ class PackSide:
     def _hold(self, slot: int, t: torch.Tensor, decision: Any, written: bool = False) -> None:
         if self.root[slot] >= 0:  # a view of an input or outside tensor: an argument
             return
+        if t.is_inference():
+            # Made under torch.inference_mode: autograd never saves it and it has no version
+            # counter to check a kept copy by, so the replay recomputes it (grad is off there).
+            self.decision[slot] = False
+            return
         # The tensor itself, not a detach made here: below autograd a detach gets its own
         # version counter and would hide later in-place writes. It is detached in ``finish``
         # (held only during the forward, so no reference cycle). An in-place op's output is

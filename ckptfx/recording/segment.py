@@ -19,10 +19,18 @@ packs.py)
    generator state is 5 KiB; one per dropout would make remat hold more than torch's
    checkpoint, which keeps one per block). The block's first draw from the CPU generator,
    or from the default generator of a device the frame captured (the devices of its
-   inputs), starts from the state the frame captured when the block began. A random op whose
-   previous draw on the same generators was one random op drawing from exactly those
-   continues from where that op left them: any replay that runs it runs that op first
-   (``Segment.rng_prev``; usually it is needed anyway, as every dropout mask is).
+   inputs), starts from the state the frame captured when the block began, if the
+   generator still holds it. A random op whose previous draw on the same generators was one
+   random op drawing from exactly those, and which finds them where that op left them,
+   continues from there: any replay that runs it runs that op first (``Segment.rng_prev``;
+   usually it is needed anyway, as every dropout mask is). Any other draw stores its states:
+   a generator reseeded or set inside the block (tracer.py Rule 5) costs one state per draw
+   after the change, never a wrong mask.
+
+   3c. The replay runs as the forward's ops ran: under the forward's default dtype (ATen
+   reads it inside ``linspace`` or ``randn``), and with grad mode on, below autograd, so
+   nothing is recorded while kernels that return more under grad mode (the oneDNN LSTM
+   layer's workspace) return it.
 """
 
 from __future__ import annotations
@@ -32,11 +40,12 @@ from typing import Any, Callable
 import optree
 import torch
 
+from ckptfx import _compat
 from ckptfx._ops import op_info as _op_info
 from ckptfx.kernel.frame import CheckpointError, Frame, Replay
 from ckptfx.kernel.function_replay import rerun_function
 
-__all__ = ["Segment", "check_outside"]
+__all__ = ["Segment", "check_outside", "outside_version"]
 
 
 # -- the recorded segment -------------------------------------------------------------------
@@ -73,6 +82,9 @@ class Segment:
         self.kept: dict[tuple[int, int], Callable[[], Any]] = {}  # (slot, version) -> weakref
         self.replayable = True
         self.why_not: str | None = None
+        # (op, tensor) of the first in-place write to an argument or outside tensor that an
+        # earlier op read: the block cannot be re-run (tracer.py Rule 4b).
+        self.reread: tuple[Any, torch.Tensor] | None = None
         # Random op -> the random op before it on the same generators, for ops recorded
         # without generator states (Rule 3b): a replay that runs one runs the other first.
         self.rng_prev: dict[int, int] = {}
@@ -81,6 +93,9 @@ class Segment:
         # (a prefire on the caller's thread of a block on another device).
         self.rng_devices: set[int] = set()
         self.subclass = False  # a tensor subclass reached the recorder
+        # The default dtype the forward ran under: ATen resolves it inside factory ops
+        # (``linspace``, ``randn``), so the replay runs under it too (Rule 3c).
+        self.default_dtype = torch.get_default_dtype()
         self.last_plan: int = 0
         # Values the policy keeps because the replay (not autograd) reads them (packs.py Rule
         # 2b): single-use ones (the policy permitted the keep) and, for the graph's life, those
@@ -115,6 +130,8 @@ class Segment:
         # (slot, version) each had when the block returned.
         outputs = None if type(tensors) is list else frame.refill.targets
         if not self.replayable and (outputs is not None or self._needs_python(frame)):
+            if self.reread is not None:
+                self._refuse_rerun(frame)
             rerun_function(frame, tensors)
             return
         targets = [(pos, sv) for pos, sv in self.targets.items()
@@ -152,8 +169,11 @@ class Segment:
                     f"ckptfx.remat: a parameter the block read ({describe_value(t)}) has no data "
                     "now: FSDP resharded it after the forward. A replay needs it unsharded: "
                     "run the replay inside the FSDP module's backward (remat around the "
-                    "module call, whose output FSDP's pre-backward hook watches), or through "
-                    "vjp_split / ckptfx.pipelining, which unshard before prefire"
+                    "module call, whose output FSDP's pre-backward hook watches, or a lazy "
+                    "session replay), through vjp_split / ckptfx.pipelining, which unshard "
+                    "before prefire, or, for a recompute_handle prefire, let the block refer "
+                    "to its FSDP module (a bound method, the module itself, a module argument "
+                    "or closure: ckptfx.kernel.fsdp Rule 1) or call its unshard() first"
                 )
             vals[slot] = t
         # Values kept only because the replay reads them are single-use (packs.py Rule 2b): this
@@ -161,7 +181,8 @@ class Segment:
         self.single_use.clear()
         release = self._release_after(plan, targets, available)
         with _ReplayGuard(frame.env.device_type, frame.env.generators,
-                          {*(i for i, _ in frame.env.device_rng), *self.rng_devices}):
+                          {*(i for i, _ in frame.env.device_rng), *self.rng_devices},
+                          self.default_dtype):
             for k, i in enumerate(plan):
                 op = self.ops[i]
                 leaves = list(op.leaves)
@@ -200,6 +221,19 @@ class Segment:
                 values.append(t)
         if outputs is not None:
             frame.refill.fill(tensors, values)
+
+    def _refuse_rerun(self, frame: Frame) -> None:
+        func, t = self.reread  # type: ignore[misc]
+        name = getattr(frame.fn, "__qualname__", None) or type(frame.fn).__name__
+        raise CheckpointError(
+            f"ckptfx.remat: {name} read a tensor from outside its arguments "
+            f"({describe_value(t)}) and then wrote it in place ({func}); its recomputation "
+            "would read the value the forward left there, not the one it read, and compute "
+            "other gradients. (A parametrization that updates its state in the forward, such "
+            "as spectral_norm's power iteration, does this.) Keep everything this block "
+            "saves (policy=everything_saveable), make the state change before the block "
+            "and pass the result in, or do not checkpoint it."
+        )
 
     def _needs_python(self, frame: Frame) -> bool:
         """tracer.py Rule 4: a block that is not replayable must re-run its Python function,
@@ -317,11 +351,17 @@ def describe_value(t: torch.Tensor) -> str:
     return f"{t.dtype} {list(t.shape)}"
 
 
+def outside_version(t: torch.Tensor) -> int:
+    """``t._version``, or -1 for an inference tensor, which has no version counter (and can
+    be written in place only inside torch.inference_mode, where nothing records)."""
+    return -1 if t.is_inference() else t._version
+
+
 def check_outside(t: torch.Tensor, version: int) -> None:
     """Before a replay: a tensor the block read from outside its arguments, at ``version``
     in the forward, must not have been modified in place since (the replay would read the
     new values)."""
-    if t._version != version:
+    if version >= 0 and t._version != version:
         raise CheckpointError(
             f"ckptfx.remat: a tensor the block read from outside its arguments "
             f"({describe_value(t)}, e.g. a parameter or a closure) was modified in place "
@@ -371,18 +411,27 @@ def _set_rng(states: tuple[Any, ...]) -> None:
 
 
 class _ReplayGuard:
-    """No grad, no autocast (ops were recorded after it), the caller's RNG put back: the
+    """Nothing recorded by autograd, no autocast (ops were recorded after it), the caller's RNG put back: the
     global generators' and the explicit ``generators`` the block drew from."""
 
     def __init__(self, device_type: str | None, generators: Any = (),
-                 device_indices: Any = ()) -> None:
+                 device_indices: Any = (), default_dtype: torch.dtype | None = None) -> None:
         self.device_type = device_type
         self.generators = generators
         self.device_indices = device_indices  # besides the current device
+        self.default_dtype = default_dtype
 
     def __enter__(self) -> None:
+        # Grad mode on, as in the forward, but below autograd, so nothing is recorded: a few
+        # kernels return more under grad mode (the oneDNN LSTM layer's workspace, which its
+        # backward reads).
         self.grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
+        torch.set_grad_enabled(True)
+        self.below_autograd = _compat.below_autograd()
+        self.below_autograd.__enter__()
+        self.caller_dtype = torch.get_default_dtype()
+        if self.default_dtype is not None and self.default_dtype != self.caller_dtype:
+            torch.set_default_dtype(self.default_dtype)
         self.autocast = [torch.autocast("cpu", enabled=False)]
         if self.device_type is not None and torch.amp.is_autocast_available(self.device_type):
             self.autocast.append(torch.autocast(self.device_type, enabled=False))
@@ -405,4 +454,7 @@ class _ReplayGuard:
             mod.set_rng_state(state, i)
         for a in reversed(self.autocast):
             a.__exit__(None, None, None)
+        if torch.get_default_dtype() != self.caller_dtype:
+            torch.set_default_dtype(self.caller_dtype)
+        self.below_autograd.__exit__(None, None, None)
         torch.set_grad_enabled(self.grad)

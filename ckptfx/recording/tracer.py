@@ -22,12 +22,35 @@ segment.py's)
    inputs or recorded views of them (the policy kept everything else) has nothing to
    recompute: those are rebuilt from the saved inputs and no Python runs. An outside tensor
    modified in place between forward and backward is a ``CheckpointError``.
+   Memory handed outside the dispatcher (NumPy, DLPack, ``data_ptr``, storages; escapes.py),
+   a ``set_`` alias, and a default dtype changed inside the block also make it not
+   replayable.
+
+   4b. A block that reads a tensor from outside and then writes it in place (spectral
+   norm's power-iteration vectors) cannot be re-run: the re-run would read what the
+   forward left. Its replay, where it would re-run the function, is a ``CheckpointError``
+   (torch's checkpoint silently computes other gradients). A write that only the writing
+   op read (a BatchNorm's running statistics) is fine: the re-run updates them again, as
+   torch's does.
+
+   4c. An enclosing frame (a ``ckptfx.checkpoint`` around this block) cannot see the
+   block's ops: the explicit generators the block draws from are noted in its replay
+   environment too, so its re-run starts them where the forward did and leaves the caller's
+   states as they were (an early-stopped re-run would otherwise leave them half-drawn).
+
+5. Generator state is checked, not assumed: a random op's generators are compared with the
+   state the last draw from them left (or, for the block's first draw, the state the frame
+   captured), so a state set between draws outside the dispatcher (``manual_seed``,
+   ``set_rng_state``, ``fork_rng``, ``Generator.set_state``) is stored for the replay. An op
+   outside ATen and prims that does not declare randomness (a custom op) is run between two
+   reads of the CPU's and its device's default generator states: if it moved them it drew
+   random numbers, and it replays from the states it started from.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import SelectiveCheckpointContext
@@ -42,15 +65,15 @@ from ckptfx.policies.names import checkpoint_name
 from ckptfx.policies.protocol import call_policy
 from ckptfx.policies.tracer_stack import active_tracer, reporting
 from ckptfx.policies.tracer_stack import tracer_stack as _stack
+from ckptfx.recording.draws import Draws, generator_keys
+from ckptfx.recording.escapes import EscapeWatch
 from ckptfx.recording.packs import PackSide, residual_unpack_hook
 from ckptfx.recording.segment import (
-    BLOCK_START,
-    CPU_DEFAULT,
-    DEVICE_BLOCK_START,
     RecordedOp,
     Segment,
     flatten_tree,
     output_leaves,
+    outside_version,
     rng_states,
 )
 
@@ -87,6 +110,7 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         self.seg = seg = Segment()
         self.decision: list[Any] = []      # slot -> True / MUST_SAVE (keep), False, Offload
         self.root: list[int] = []          # slot -> input/outside slot it views, or -1
+        self.escapes = EscapeWatch(frame, seg, self.attr, self.root)
         self.ids: dict[int, int] = {}      # id of input/outside tensor -> slot
         self.uninit: set[int] = set()      # base slots from torch.empty not yet written
         self.packed_bases: set[int] = set()
@@ -101,11 +125,11 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         # lets keep, held until ``finish`` picks those the replay reads (packs.py Rule 2b).
         self.held: dict[tuple[int, int], tuple[torch.Tensor, int, Any]] = {}
         self.pinned = frame.env.device_type is not None
-        # Generator key -> the last random op that drew from it, and op -> its keys
-        # (segment.py Rule 3b).
-        self.last_draw: dict[Hashable, int] = {}
-        self.draw_keys: dict[int, frozenset[Any]] = {}
-        self.drawn_types: set[str] = set()  # device types drawn on so far, by any generator
+        self.draws = Draws(frame.env, seg)  # what each random op replays from (Rule 5)
+        # The replay environment of the frame this block is nested in, if any: a re-run of
+        # that frame runs this block's draws too, so it restores their generators, and puts
+        # the caller's back after (Rule 4c).
+        self.enclosing = _enclosing_env()
         # FSDP scopes and collectives (ckptfx.kernel.collectives), only where one can run.
         self.dist = collectives.Watch() if collectives.watch_needed() else None
         self.dist_log: Any = None
@@ -114,47 +138,19 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
                 self.ids[id(t)] = self._new_slot(-1, None, root=True)
             seg.input_slots.append(self.ids[id(t)])
 
-    def _generator_states(self, index: int, device: Any, gens: list[torch.Generator]) -> Any:
-        """What random op ``index`` replays its generators from (segment.py Rule 3b): nothing
-        when the random op before it drew from the same generators and nothing else drew from
-        them in between (the replay runs that op first and continues from where it left them),
-        ``BLOCK_START`` for the block's first draw from the CPU generator and
-        ``(DEVICE_BLOCK_START, index)`` for its first draw from a device's default generator
-        (the frame captured those states when the block started), else the states
-        themselves."""
-        if gens:
-            keys: frozenset[Hashable] = frozenset(id(g) for g in gens)
-        else:
-            if isinstance(device, str):
-                device = torch.device(device)
-            dev = device if isinstance(device, torch.device) else torch.device("cpu")
-            keys = frozenset({_default_key(dev.type, dev.index)})
-        prev = {self.last_draw.get(k) for k in keys}
-        for k in keys:
-            self.last_draw[k] = index
-        self.draw_keys[index] = keys
-        # A block-start state serves only the block's first draw on that device type by any
-        # name: an explicit generator may be the default one under another Python object.
-        types = {g.device.type for g in gens} or {dev.type}
-        first_of_type = not (types & self.drawn_types)
-        self.drawn_types |= types
-        if len(prev) == 1:
-            p = next(iter(prev))
-            if p is not None and self.draw_keys[p] == keys:
-                self.seg.rng_prev[index] = p
-                return None
-            if p is None and first_of_type:
-                env = self.frame.env
-                if keys == CPU_DEFAULT and env.cpu_rng is not None:
-                    return BLOCK_START
-                (key,) = keys if len(keys) == 1 else (None,)
-                if (isinstance(key, tuple) and key[1] == env.device_type
-                        and any(i == key[2] for i, _ in env.device_rng)):
-                    return (DEVICE_BLOCK_START, key[2])
-        states = rng_states(device, gens)
-        if states[1] is not None:
-            self.seg.rng_devices.add(states[1][1])
-        return states
+    def _read_before(self, base: int, index: int) -> bool:
+        """True if an op before op ``index`` that did not write it read the argument or outside
+        tensor ``base`` (or a view of it): a re-run of the block would read it as the block
+        left it (Rule 4b). Asked only when the block writes such a tensor, which is rare."""
+        seg = self.seg
+        writers = set(seg.writers.get(base, ()))
+        for i in range(index):
+            op = seg.ops[i]
+            if i in writers or _op_info(op.func).view:  # a view reads no values
+                continue
+            if any(seg.base[s] == base for _, s, _ in op.inputs):
+                return True
+        return False
 
     def _new_slot(self, producer: int, base: int | None, root: bool = False) -> int:
         seg = self.seg
@@ -172,18 +168,22 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         slot = self.ids.get(id(t))
         if slot is None:  # a tensor from outside the block: a parameter, a closure, a constant
             slot = self.ids[id(t)] = self._new_slot(-1, None, root=True)
-            self.seg.outside[slot] = (t, t._version)
+            self.seg.outside[slot] = (t, outside_version(t))
         return slot
 
     # the dispatch side -----------------------------------------------------------------
 
     def __enter__(self) -> "Tracer":
         _stack.tracers.append(self)
+        self.escapes.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         _stack.tracers.pop()
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.escapes.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -201,6 +201,8 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         leaves, spec = flatten_tree(args, kwargs)
         written: set[int] | frozenset[int] = _NONE_WRITTEN
         if info.writes:
+            if func.overloadpacket is aten.set_:  # the tensor now shares another's storage
+                seg.not_replayable(f"{func} made a tensor share another's storage")
             written = set()
             for i, name in info.writes:
                 v = args[i] if i < len(args) else kwargs.get(name)
@@ -237,19 +239,31 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
                 w = writers.get(base)
                 inputs.append((j, slot, len(w) if w else 0))
                 leaves[j] = None
-                if device is None and info.seeded:
+                if device is None and (info.seeded or info.opaque):
                     device = a.device
         if _graph_task_id() != -1:
             seg.not_replayable("autograd ran inside the block")
-        rng = None
+        if info.dtype_default and torch.get_default_dtype() != seg.default_dtype:
+            seg.not_replayable(f"{func} ran under another default dtype than the block began with")
+        rng = keys = before = None
         if info.seeded:  # only random ops take a generator (some positionally)
             gens = [a for a in args if isinstance(a, torch.Generator)]
             if kwargs.get("generator") is not None:
                 gens.append(kwargs["generator"])
             for g in gens:
                 self.frame.env.note_generator(g)  # for a replay that re-runs the function
-            rng = self._generator_states(len(seg.ops), device or kwargs.get("device"), gens)
+                if self.enclosing is not None:
+                    self.enclosing.note_generator(g)
+            device = device or kwargs.get("device")
+            keys = generator_keys(device, gens)
+            rng = self.draws.states_for(len(seg.ops), device, gens, keys)
+        elif info.opaque and not collective:  # Rule 5: did it draw random numbers?
+            before = rng_states(device, [])
         out = func(*args, **kwargs)
+        if keys is not None:
+            self.draws.note_after(keys, gens)
+        elif before is not None:
+            rng = self.draws.opaque(device, before)
         index = len(seg.ops)
         op = RecordedOp(func, spec, leaves, inputs, rng,
                  user_call_site() if self.sites else None)
@@ -273,6 +287,8 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
                     if seg.producer[base] < 0:
                         seg.not_replayable(f"{func} writes in place to a block input or an "
                                            "outside tensor")
+                        if seg.reread is None and self._read_before(base, index):
+                            seg.reread = (func, t)
                     if base in self.packed_bases:
                         seg.not_replayable(f"{func} writes in place to a value autograd saved")
         if own:
@@ -343,6 +359,14 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         if self.dist_log is not None:
             self.dist_log.settle()
         self.recent = []
+        self.draws.after = {}  # generator states: needed only while recording
+        # A replay checks that nothing outside the block moved since the block returned (its
+        # own writes to a tensor from outside already make it re-run the function).
+        outside = self.seg.outside
+        for slot, (t, _) in outside.items():
+            outside[slot] = (t, outside_version(t))
+        if torch.get_default_dtype() != self.seg.default_dtype:
+            self.seg.not_replayable("the default dtype changed inside the block")
         self._keep_what_the_replay_reads()
         self.frame.rerun = self.seg.replay
         # Replayed block inputs cost no memory of their own (for recompute_session_stats).
@@ -351,10 +375,13 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         return self.seg
 
 
-def _default_key(device_type: str, index: int | None) -> tuple[str, str, int | None]:
-    """The key of a device's default generator, however a draw named it: ``"cuda"`` and
-    ``"cuda:0"`` are one generator when device 0 is current (the CPU has one, index None)."""
-    if device_type != "cpu" and index is None:
-        index = torch.get_device_module(device_type).current_device()
-    return ("default", device_type, index)
-
+def _enclosing_env() -> Any:
+    """The replay environment of the frame whose forward packs this block's inputs (the
+    saved-tensor hooks on top when the block starts): a kernel frame's or an enclosing
+    recording's, else None."""
+    owner = getattr(_compat.top_saved_tensors_pack_hook(), "__self__", None)
+    if isinstance(owner, Frame):
+        return owner.env
+    if isinstance(owner, Tracer):
+        return owner.frame.env
+    return None

@@ -53,20 +53,41 @@ Rules
       did not capture: the forward drew from a state nobody kept, so the replay cannot draw
       the same numbers (a data-dependent branch the first call did not take);
    c. a call that created a nested frame is a valid checkpoint frame (nesting as in torch);
-      later calls with its signature are recorded again.
+      later calls with its signature are recorded again;
+   d. a tensor only a later call reads (a branch the first call did not take, on Python
+      state the signature does not hold) is not at a place of 4a. So a later call also
+      notes, when it starts, the tensor and its version at each place the first call
+      could see holding one that it did not read (``watched_places``, places.py): the
+      other parameters, buffers and tensor attributes of the block's modules (with modules
+      among its arguments) and of the modules it read from (not their submodules), those of
+      all their other submodules where these hold at most ``_MAX_WATCHED`` (places.py) in
+      all, and the tensors in the block function's closure cells and among the globals its
+      code names.
+      Each costs a later call a lookup and a version read (well under a microsecond); a
+      layer's forward reads all its tensors and notes none. The re-run's ``_DrawWatch`` checks each noted tensor
+      at its first read: one modified in place since the call started (by the block's
+      own forward too, whose write the re-run would repeat), or one put at a place since
+      in place of the tensor noted there (the forward found the other one), raises
+      ``CheckpointError`` naming the place, before the replay hands out anything. The
+      check is a dict lookup per tensor argument of an op, in the backward only, and only
+      for a call that noted something.
 5. What users see: the replay of an unrecorded call runs the block's Python once per
    replay, as torch's checkpoint does (a counter inside the block goes up), where a recorded
    replay runs the recorded ATen ops only. Gradients are the same, bit for bit. What the
    re-run reads, it reads when it runs, as torch's checkpoint's does: Python state of the
-   block (a scale read from a config object) and a tensor only a later call reads (a branch
-   the first call did not take) must not change between forward and backward, which remat
-   asks of every block (a recorded replay happens to tolerate the first and check the
-   second). ``always_record=True`` keeps every call recorded.
+   block (a scale read from a config object) must not change between forward and backward,
+   which remat asks of every block and nothing can check. A tensor only a later call reads
+   is checked as 4d says; one 4d cannot see is not, and must not change either: a tensor
+   reached through another object (``self.cfg.table``, a global of another Python module,
+   a tensor in a list in a closure), one of a submodule the first call read nothing from
+   where such submodules hold more than ``_MAX_WATCHED`` tensors (a method of a whole
+   model), a place made after the first call, a tensor read through ``.data`` or inside
+   compiled code. ``always_record=True`` keeps every call recorded, and every outside
+   read checked.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -79,7 +100,17 @@ from ckptfx.kernel.frame import CheckpointError, Frame, Replay, tls
 from ckptfx.kernel.function_replay import rerun_function
 from ckptfx.policies.budget_policy import MemoryBudget
 from ckptfx.policies.tracer_stack import tracer_stack
-from ckptfx.recording.segment import check_outside
+from ckptfx.recording.places import (
+    Outside,
+    Unrecorded,
+    Watched,
+    modules_near,
+    owners_of,
+    places_of,
+    reads_to_check,
+    watched_places,
+)
+from ckptfx.recording.segment import check_outside, describe_value
 from ckptfx.recording.signature import flat_signature, per_function, signature
 
 __all__ = ["Plan", "keeps_nothing", "plan_for"]  # for remat.py
@@ -99,56 +130,27 @@ def keeps_nothing(policy: Any) -> bool:
     return policy is None or (isinstance(policy, MemoryBudget) and policy.fraction == 0.0)
 
 
-# What a call's forward reads from outside its arguments (Rule 4a): the dict it is found in
-# (a module's ``_parameters``, ``_buffers`` or ``__dict__``), its name there, the tensor and
-# its version at the call's start.
-Outside = list[tuple[dict[str, Any], str, torch.Tensor, int]]
-
-
-class _Unrecorded:
-    """Entry: calls with this signature run unrecorded. ``places`` say where the tensors the
-    first call read from outside its arguments live: (module, ``"_parameters"``,
-    ``"_buffers"`` or None for a plain attribute, name), the module weakly (Rule 4a)."""
-
-    __slots__ = ("places",)
-
-    def __init__(self, places: Sequence[tuple[torch.nn.Module, str | None, str]]) -> None:
-        self.places = tuple((weakref.ref(m), store, name) for m, store, name in places)
-
-    def current(self) -> Outside | None:
-        """What is at each place now, which this call's forward reads (a
-        ``torch.func.functional_call`` may have swapped it in), or None if a place is gone."""
-        found: Outside = []
-        for mref, store, name in self.places:
-            m: torch.nn.Module | None = mref()
-            if m is None:
-                return None
-            where = m.__dict__ if store is None else m.__dict__[store]
-            t = where.get(name)
-            if not isinstance(t, torch.Tensor):
-                return None
-            found.append((where, name, t, t._version))
-        return found
-
-
 class Plan:
     """What one remat call does under Rules 1-2: ``unrecorded`` or record (and, for the
     first call of a signature, learn)."""
 
     __slots__ = ("cache", "key", "entry", "fun", "owners", "outside", "frames",
-                 "ops_at_last_pack")
+                 "ops_at_last_pack", "args", "kwargs")
 
     def __init__(self, cache: dict[Any, Any], key: Any, fun: Callable[..., Any],
-                 owners: list[torch.nn.Module]) -> None:
+                 owners: list[torch.nn.Module], args: tuple = (),
+                 kwargs: dict[str, Any] | None = None) -> None:
         if key not in cache and len(cache) >= _MAX_SIGNATURES:
             cache.clear()
         self.cache = cache
         self.key = key
         self.fun = fun
         self.owners = owners  # modules the block is part of (where its outside tensors live)
+        self.args = args  # the call's arguments: a first call watches their modules (4d)
+        self.kwargs = kwargs
         self.entry = entry = cache.get(key)
-        self.outside: Outside | None = None
-        if entry.__class__ is _Unrecorded:
+        self.outside: tuple[Outside, Watched] | None = None
+        if entry.__class__ is Unrecorded:
             self.outside = entry.current()
             if self.outside is None:  # Rule 4a: a place the first call read from is gone
                 self.entry = None  # recorded, and what it shows replaces the entry
@@ -157,13 +159,13 @@ class Plan:
 
     @property
     def unrecorded(self) -> bool:
-        return self.entry.__class__ is _Unrecorded
+        return self.entry.__class__ is Unrecorded
 
     def start(self, frame: Frame) -> None:
         """The frame is made, the forward is about to run."""
         self.frames = tls.frames_made
-        if self.entry.__class__ is _Unrecorded:
-            frame.rerun = _Rerun(self.outside or [])
+        if self.entry.__class__ is Unrecorded:
+            frame.rerun = _Rerun(*(self.outside or ([], [])))
 
     def recording_pack(self, tracer: Any) -> Callable[[torch.Tensor], Any]:
         """The pack hook of a recorded call: the tracer's, which a first call wraps to note
@@ -188,7 +190,8 @@ class Plan:
             return
         if self.entry is None:
             self.cache[self.key] = (_RECORD if nested else _learn(
-                tracer, frame, self.ops_at_last_pack, _modules_near(self.owners, self.fun)))
+                tracer, frame, self.ops_at_last_pack, modules_near(self.owners, self.fun),
+                self.fun, (*self.args, *(self.kwargs or {}).values())))
 
 
 def plan_for(fun: Callable[..., Any], policy: Any, always_record: bool, flat_fn: Any,
@@ -204,89 +207,17 @@ def plan_for(fun: Callable[..., Any], policy: Any, always_record: bool, flat_fn:
     if cache is None:
         cache = per_function(fun, _by_function, _by_owner)
     key = flat_signature(tensors) if flat_fn is fun else signature(args, kwargs, tensors)
-    owners = _owners(fun, args)
+    owners = owners_of(fun, args)
     if owners:
         # A module's training flag often picks a branch (dropout, a generator of its own):
         # that of the module the block is, or is a method of, is part of the signature.
         key = (owners[0].training, key)
-    return Plan(cache, key, fun, owners)
-
-
-def _owners(fun: Callable[..., Any], args: tuple) -> list[torch.nn.Module]:
-    """The modules a block is a method of: ``fun`` itself, the module a bound method or a
-    partial is bound to, or the ``self`` a method decorated with ``@remat`` is called with."""
-    found: list[torch.nn.Module] = []
-    inner = fun
-    while isinstance(inner, functools.partial):
-        found.extend(a for a in inner.args if isinstance(a, torch.nn.Module))
-        inner = inner.func
-    if isinstance(inner, torch.nn.Module):
-        found.append(inner)
-    owner = getattr(inner, "__self__", None)
-    if isinstance(owner, torch.nn.Module):
-        found.append(owner)
-    if not found and args and isinstance(args[0], torch.nn.Module):
-        found.append(args[0])
-    return found
-
-
-def _modules_near(owners: list[torch.nn.Module], fun: Callable[..., Any]
-                  ) -> list[torch.nn.Module]:
-    """``owners``, and the modules a plain function's closure holds (``lambda x: layer(x)``):
-    where a block's outside tensors may live (Rule 4a; asked at a first call only)."""
-    found = list(owners)
-    inner = fun
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    inner = getattr(inner, "__func__", inner)
-    for cell in getattr(inner, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(value, torch.nn.Module):
-            found.append(value)
-    return found
-
-
-def _places(outside: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]
-            ) -> list[tuple[torch.nn.Module, str | None, str]] | None:
-    """Where each of ``outside`` lives below ``modules`` (a parameter, a buffer or a plain
-    tensor attribute of one of their submodules), or None if one lives elsewhere, or at two
-    places (tied weights: ``functional_call`` may swap one place and not the other, and the
-    re-run must read each where the forward did) or is a copy made outside (a cast: the cast
-    tensor, not the module's, is what the forward read, and nothing checks it later)."""
-    if not outside:
-        return []
-    where: dict[int, list[tuple[torch.nn.Module, str | None, str]]] = {}
-    for top in modules:
-        for m in top.modules():
-            for store in ("_parameters", "_buffers"):
-                for name, t in m.__dict__[store].items():
-                    if t is not None:
-                        _add_place(where, t, (m, store, name))
-            for name, t in m.__dict__.items():
-                if isinstance(t, torch.Tensor):
-                    _add_place(where, t, (m, None, name))
-    places = []
-    for t in outside:
-        w = where.get(id(t))
-        if w is None or len(w) != 1:
-            return None
-        places.append(w[0])
-    return places
-
-
-def _add_place(where: dict[int, list[tuple[torch.nn.Module, str | None, str]]],
-               t: torch.Tensor, place: tuple[torch.nn.Module, str | None, str]) -> None:
-    # A module reached twice (shared submodule) is one place, not an alias.
-    found = where.setdefault(id(t), [])
-    if not any(p[0] is place[0] and p[1:] == place[1:] for p in found):
-        found.append(place)
+    return Plan(cache, key, fun, owners, args, kwargs)
 
 
 def _learn(tracer: Any, frame: Frame, ops_at_last_pack: int,
-           modules: list[torch.nn.Module]) -> Any:
+           modules: list[torch.nn.Module], fun: Callable[..., Any],
+           arguments: Sequence[Any] = ()) -> Any:
     """Rule 2: the entry a first call's recording earns its signature."""
     seg = tracer.seg
     if (not seg.replayable or seg.subclass or seg.collectives or tracer.dist is not None
@@ -306,14 +237,20 @@ def _learn(tracer: Any, frame: Frame, ops_at_last_pack: int,
             if not info.view or info.writes or info.seeded:
                 return _RECORD
     env = frame.env
-    for keys in tracer.draw_keys.values():
+    for keys in tracer.draws.draw_keys.values():
         for key in keys:
             if not (isinstance(key, tuple) and _restored(env, torch.device(key[1], key[2]))):
                 return _RECORD
     # Rule 4a: a re-run reads outside tensors where it finds them when it runs; each must be
     # found somewhere a later call can check (closures and globals cannot be).
-    places = _places([t for t, _ in seg.outside.values()], modules)
-    return _RECORD if places is None else _Unrecorded(places)
+    places = places_of([t for t, _ in seg.outside.values()], modules)
+    if places is None:
+        return _RECORD
+    # Rule 4d: modules among the arguments are the call's too (the signature holds them by
+    # identity, so a later call with this entry has the same ones).
+    watch = modules + [a for a in arguments if isinstance(a, torch.nn.Module)
+                       and not any(a is m for m in modules)]
+    return Unrecorded(places, watched_places(fun, watch, places))
 
 
 def _restored(env: Any, device: torch.device) -> bool:
@@ -326,12 +263,13 @@ def _restored(env: Any, device: torch.device) -> bool:
 
 
 class _Rerun:
-    """The replay strategy of an unrecorded call (``Frame.rerun``; Rule 4a and 4b)."""
+    """The replay strategy of an unrecorded call (``Frame.rerun``; Rules 4a, 4b and 4d)."""
 
-    __slots__ = ("outside",)
+    __slots__ = ("outside", "watched")
 
-    def __init__(self, outside: Outside) -> None:
+    def __init__(self, outside: Outside, watched: Watched) -> None:
         self.outside = outside
+        self.watched = watched
 
     def __call__(self, frame: Frame, tensors: Replay) -> None:
         swapped: list[tuple[dict[str, Any], str, Any]] = []
@@ -342,7 +280,7 @@ class _Rerun:
                 if now is not t:  # the forward ran inside torch.func.functional_call, say:
                     swapped.append((where, name, now))  # the re-run reads what it read
                     where[name] = t
-            with _DrawWatch(frame):
+            with _DrawWatch(frame, reads_to_check(self.watched)):
                 rerun_function(frame, tensors)
         finally:
             for where, name, now in reversed(swapped):
@@ -356,11 +294,14 @@ _ABSENT = object()
 
 
 class _DrawWatch(_compat.TorchDispatchMode):
-    """Rule 4b: the re-run of an unrecorded call draws only what the frame restores."""
+    """Rule 4b: the re-run of an unrecorded call draws only what the frame restores. Rule
+    4d: it reads no watched tensor that changed since the call's forward."""
 
-    def __init__(self, frame: Frame) -> None:
+    def __init__(self, frame: Frame,
+                 reads: dict[int, tuple[torch.Tensor, int, str]] | None = None) -> None:
         super().__init__()
         self.frame = frame
+        self.reads = reads  # by id; each entry is checked at its first read, then dropped
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -370,10 +311,47 @@ class _DrawWatch(_compat.TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         if kwargs is None:
             kwargs = {}
+        reads = self.reads
+        if reads:
+            # A watched tensor is alive (``reads`` holds it), so no other object has its id.
+            for a in args:
+                if id(a) in reads:
+                    self._check_read(a)
+                elif a.__class__ is list or a.__class__ is tuple:  # cat's, stack's tensors
+                    for b in a:
+                        if id(b) in reads:
+                            self._check_read(b)
+            if kwargs:
+                for a in kwargs.values():
+                    if id(a) in reads:
+                        self._check_read(a)
         info = OP_INFO.get(func) or op_info(func)
         if info.seeded:
             self._check(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _check_read(self, t: torch.Tensor) -> None:
+        """Rule 4d, at the re-run's first read of a watched tensor."""
+        assert self.reads is not None
+        watched, version, label = self.reads.pop(id(t))
+        if watched is not t or version == -1 or (version >= 0 and t._version == version):
+            return
+        name = getattr(self.frame.fn, "__qualname__", None) or type(self.frame.fn).__name__
+        what = (f"was modified in place after this call's forward began (version {version} "
+                f"then, {t._version} now: by code run before the backward, or by the block "
+                "itself, whose write the re-run would repeat), so the re-run would read the "
+                "new values" if version >= 0 else
+                "was put there after this call's forward, in place of the tensor the "
+                "forward found there (an assignment, or a torch.func.functional_call that "
+                "has ended), so the re-run would read another tensor")
+        raise CheckpointError(
+            f"ckptfx.remat: the replay of {name} re-runs the block, which read {label} "
+            f"({describe_value(t)}) from outside its arguments; that tensor {what}. The "
+            "first call of this block with these argument shapes did not read it (a branch "
+            "it did not take), so this call ran unrecorded and nothing kept what it read. "
+            "Run the backward before changing the tensor (or change a clone), pass it to "
+            "the block as an argument, or pass always_record=True to ckptfx.remat."
+        )
 
     def _check(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = getattr(self.frame.fn, "__qualname__", None) or type(self.frame.fn).__name__

@@ -111,13 +111,18 @@ def vjp_split(
 
     Every ``ckptfx.checkpoint`` / ``remat`` block inside ``fun`` runs twice in all (forward and
     one replay), and dx + dw do the work of one fused backward. Between dx and dw the session
-    holds only the replayed tensors dw reads (``ckptfx.recompute_session_stats()``). Where
-    the blocks are small (a rule on shapes, ``ckptfx.split.weight_calls``; never under DDP or
-    FSDP2) dw is instead one plain weight backward from the outputs, cheaper there than a
-    call per weight group: it recomputes the input-path gradients that lead to weights (a
-    tensor hook there runs in dx and again in dw; a custom Function anywhere in the graph
-    forces the per-group pass, its backward running once) and the session holds every
-    replayed tensor until dw. The gradients are the same, bit for bit.
+    holds only the replayed tensors dw reads (``ckptfx.recompute_session_stats()``). Hooks see
+    one fused backward: a tensor hook, ``retain_grad()`` (the ``.grad`` it leaves) or a node's
+    pre- or post-hook on the graph fires once, with the gradients ``torch.autograd.grad`` of
+    the inputs and weights together would give it, and a custom ``autograd.Function``'s
+    backward runs once. Where the blocks are small (a rule on shapes,
+    ``ckptfx.split.weight_calls``; never under DDP or FSDP2) dx is instead that one fused
+    backward: it computes the weight gradients too and keeps them for ``dw_fn``, which only
+    hands them out; so is it where a post-hook sits on a built-in node that a weight gradient
+    leaves (which sees that weight gradient in a fused backward; under DDP or FSDP2 such a hook
+    is refused with ``CheckpointError``). The gradients are the same, bit for bit. Sparse
+    weight gradients (``nn.Embedding(sparse=True)``) reach ``.grad`` as ``backward()`` leaves
+    them.
 
     Example::
 

@@ -10,30 +10,31 @@ Rules
    the graph lives exactly as long as the split has work to do.
 
 2. dx registers every block of the forward to the session (unless a scheduler prefired them,
-   ``dx_fn.prefire()``), then runs one ``autograd.grad`` for the inputs under
-   ``recompute_session_ctx(key, retain_on_unpack=True)``; each block is replayed at its first
-   unpack there, once, as a fused backward replays it (next to its use, not all blocks ahead
-   of the backward: the replayed tensors are still in cache when read).
-   Pre-hooks on the *intermediate* nodes (the nodes of the input path from which a weight path
-   leaves) capture the gradients flowing into them. The engine computes only the edges it
-   needs, so dx does only the input half of each node that has both.
+   ``dx_fn.prefire()``), then runs one ``autograd.grad`` for the inputs in the session; each
+   block is replayed at its first unpack there, once, as a fused backward replays it (next to
+   its use, not all blocks ahead of the backward: the replayed tensors are still in cache when
+   read). A post-hook on each *intermediate* node (the nodes of the input path from which a
+   weight path leaves) captures what dw needs, after the user's hooks there have fired
+   (``ckptfx.split.input_pass``). The engine computes only the edges it needs, so dx does only
+   the input half of each built-in node that has both.
 
-3. dw runs the weight pass (``ckptfx.split.weight_pass``): one ``autograd.grad`` per parameter
-   group (``ckptfx.split.weight_groups``), rooted at the intermediates with the captured gradients,
-   so it executes only weight-gradient ops; dx + dw do the work of one fused backward.
-   Where blocks are small (a rule on shapes, ``ckptfx.split.weight_calls``) the per-call cost
-   outweighs that: dx is then a plain input backward (no groups, no capture hooks) and dw one
-   plain weight backward from the outputs, which recomputes the input-path gradients that
-   lead to weights; the gradients are the same bit for bit either way. Never under DDP or
-   FSDP2, nor with a custom Function's backward in the graph (it would run twice).
+3. dw runs the weight pass (``ckptfx.split.weight_pass``): the intermediates' weight halves,
+   computed from the captured gradients without their hooks, seed one weight backward that
+   executes only weight-gradient ops; dx + dw do the work of one fused backward, and every
+   hook fires once with a fused backward's gradients. Where blocks are small (a rule on
+   shapes, ``ckptfx.split.weight_calls``), or where only it is exact (a post-hook on a
+   built-in intermediate, a sum the weight pass would add in another order:
+   ``ckptfx.split.input_pass`` Rule 2), dx is instead one fused backward for the inputs and
+   the weights, and dw hands out the weight gradients it kept; never under DDP or FSDP2,
+   which refuse the latter two. The gradients are the same bit for bit either way.
 
-4. Between dx and dw the session keeps only the replayed tensors dw will read (per-group pass;
-   the whole pass reads them all): during dx the unpack hook drops a replayed tensor at its
-   read by a torch node that dw will not execute (activation outputs, softmax probabilities,
-   dropout masks), as a fused backward frees it, and logs the other reads; when dx ends the
-   logged tensors read only by such nodes (a custom Function's, which may read its saved
-   tensors twice) are dropped from the session's replay too (``ckptfx.split.weight_groups``, Rule
-   2 there).
+4. Between dx and dw the session keeps only the replayed tensors dw will read: during a
+   per-group dx the unpack hook drops a replayed tensor at its read by a torch node that dw
+   will not execute (activation outputs, softmax probabilities, dropout masks), as a fused
+   backward frees it, and logs the other reads; when dx ends the logged tensors read only by
+   such nodes (a custom Function's, which may read its saved tensors twice) are dropped from
+   the session's replay too (``ckptfx.split.weight_groups``, Rule 2 there). The fused dx
+   drops each replayed tensor at its read.
 
 5. dw is the last consumer: in a ``finally`` it clears the session and drops the captured
    gradients, hooks and graph, also when it raises. A dx that fails after its arguments were
@@ -46,31 +47,30 @@ Rules
    called too early can still be called at the right time), except that a split whose session
    was cleared is released at the first call that finds it so.
 
-The graph analysis (the weight groups) is weight_groups.py's; the primals as flat tensor
-lists (flattening, the cotangent's check, packing the gradients) are primals.py's. Which split
-owns which session key, and when a user's clear abandons one, is keys.py's.
+The graph analysis is weight_groups.py's, dx's two forms input_pass.py's; the primals as flat
+tensor lists (flattening, the cotangent's check, packing the gradients) are primals.py's.
+Which split owns which session key, and when a user's clear abandons one, is keys.py's.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable
 
 import optree
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ckptfx import lowering
-from ckptfx.kernel.frame import CheckpointError, tls
+from ckptfx.kernel.frame import CheckpointError
 from ckptfx.kernel.handles import RecomputeHandle, recompute_handle_collector_ctx
 from ckptfx.kernel.session import (
     check_session_id,
     recompute_handle,
-    recompute_session_ctx,
     register_handle,
 )
-from ckptfx.split import data_parallel, weight_calls
+from ckptfx.split import data_parallel
 from ckptfx.split import keys as split_keys
+from ckptfx.split.input_pass import InputPass, input_pass
 from ckptfx.split.primals import (
     check_cotangent,
     check_params,
@@ -81,14 +81,7 @@ from ckptfx.split.primals import (
     pack_like,
     pack_weight_grads,
 )
-from ckptfx.split.weight_groups import (
-    Node,
-    WeightGroup,
-    plan_groups,
-    trim_session,
-    weight_pass_nodes,
-)
-from ckptfx.split.weight_pass import weight_pass
+from ckptfx.split.weight_pass import UNKNOWN, accumulate, storage_ptrs, weight_pass
 
 __all__ = ["Split", "check_fun", "describe_output", "early_drop_enabled", "trim_enabled"]
 
@@ -200,12 +193,9 @@ class Split:
         ]
         self.outputs: list[torch.Tensor] = [leaves[i] for i, _ in self.out_leaves_meta]
         self.out = detach_tree(out)
-        self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-        self.groups: list[WeightGroup] = []
-        # GradientEdges, or the tensors themselves for the whole weight pass (weight_calls.py)
-        self.out_edges: list[GradientEdge | torch.Tensor] = []
         self.cotangents: list[torch.Tensor | None] = []
-        self.w_edges: list[GradientEdge | torch.Tensor] = []
+        self.passed: InputPass | None = None  # what dx computed and leaves dw
+        self.shared: set[int] = set()  # data pointers of tensors the caller holds (dx's)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -222,15 +212,13 @@ class Split:
                 dp.abandon()  # after a reduce() this does nothing
         finally:
             self.dp = None
-            self.captured = {}
-            self.groups = []
-            self.out_edges = []
+            self.passed = None
+            self.shared = set()
             self.cotangents = []
             self.outputs = []
             self.handles = []
             self.x = []
             self.weights = []
-            self.w_edges = []
             self.session_obj = None
             self._forget()
 
@@ -300,65 +288,17 @@ class Split:
             self.cotangents = [cots[i] for i in used]
             outputs = [self.outputs[i] for i in used]
             x_req = [t for t in self.x if t.requires_grad]
-            # Small blocks: dw as one plain weight backward (Rule 3, weight_calls.py). Its
-            # edges are the tensors themselves (autograd finds them in C++).
-            # A custom Function's backward in the graph forces the per-group pass: the whole
-            # one would run it twice (Rule 2, weight_calls.py).
-            whole = (self.dp is None
-                     and weight_calls.whole_backward_pays(self.cotangents, x_req, self.weights)
-                     and weight_calls.whole_backward_safe(outputs))
-            if whole:
-                self.out_edges, self.w_edges = list(outputs), list(self.weights)
-                self.groups = [weight_calls.whole_backward_group(len(outputs), len(self.weights))]
-            else:
-                out_edges = [get_gradient_edge(o) for o in outputs]
-                x_nodes = {get_gradient_edge(t).node for t in x_req}
-                w_edges = [get_gradient_edge(w) for w in self.weights]
-                w_nodes = [e.node for e in w_edges]
-                self.out_edges, self.w_edges = list(out_edges), list(w_edges)
-                self.groups = plan_groups(out_edges, x_nodes, w_nodes)
-                keep = weight_pass_nodes(
-                    ((g.intermediates, [w_nodes[i] for i in g.weights]) for g in self.groups),
-                    stop=x_nodes,
-                )
-            hooks = []
-            captured = self.captured
-
-            def capture(node: Node) -> Callable[..., None]:
-                def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-                    captured[node] = grad_outputs
-                return hook
-
-            grads: Sequence[torch.Tensor | None] = [None] * len(x_req)
-            try:
-                for g in self.groups:
-                    for node in g.intermediates:
-                        hooks.append(node.register_prehook(capture(node)))
-                if x_req and outputs:
-                    log: list = []
-                    with recompute_session_ctx(self.key, retain_on_unpack=True):
-                        act = tls.activation
-                        if not whole:
-                            act.record(log, keep if trim_enabled and early_drop_enabled
-                                       else None)
-                        try:
-                            grads = torch.autograd.grad(
-                                outputs, x_req, self.cotangents, retain_graph=True,
-                                allow_unused=True,
-                            )
-                        except RuntimeError as err:
-                            lowering.explain_donated_buffers(err, self.who)
-                            raise
-                        finally:
-                            act.log = act.drop_unless = None
-                    if self.session_obj is None and len(act.session.frames):
-                        self.session_obj = act.session  # frames found lazily (no prefire)
-                    if trim_enabled and not whole:  # the whole pass reads every tensor
-                        trim_session(act.session, log, keep)
-                    log.clear()
-            finally:
-                for h in hooks:
-                    h.remove()
+            # Rules 2-4 (input_pass.py): per group, or the fused pass where it pays or where
+            # only it is exact.
+            self.passed = passed = input_pass(
+                self.key, outputs, self.cotangents, x_req, self.weights, self.dp is not None,
+                self.who, trim_enabled, early_drop_enabled)
+            if self.session_obj is None and passed.session is not None:
+                self.session_obj = passed.session
+            grads = passed.grads or [None] * len(x_req)
+            for g in grads:  # dw never makes .grad alias what dx returned
+                if g is not None:
+                    self.shared.update(storage_ptrs(g) or (UNKNOWN,))
             self._check_not_cleared()
             results = pack_input_grads(self.x_specs, self.x, x_req, grads)
             with self.lock:
@@ -379,16 +319,42 @@ class Split:
             self.state = "dw"
         try:
             self._check_not_cleared()
-            wgrads = weight_pass(
-                self.key, self.groups, self.captured, self.out_edges, self.cotangents,
-                self.weights, self.param_slots, self.w_edges, self.dp,
-            )
+            passed = self.passed
+            assert passed is not None
+            if passed.mode == "fused":
+                wgrads = passed.wgrads  # computed in dx (input_pass.py Rule 3)
+            else:
+                assert passed.plan is not None
+                wgrads = weight_pass(
+                    self.key, passed.plan, passed.captured, passed.out_edges,
+                    self.cotangents, self.weights, self.param_slots, passed.w_edges, self.dp)
+            self._accumulate(wgrads)
             if self.dp is not None:
                 self.dp.reduce()  # FSDP2's reduce-scatter and reshard
             results = pack_weight_grads(self.w_specs, self.weights, wgrads)
             return pack_like(results, len(results) == 1)
         finally:
             self.release()
+
+    def _accumulate(self, wgrads: list[torch.Tensor | None]) -> None:
+        """The ``params=`` gradients into ``.grad`` (weight_pass.py Rule 2); under DDP the
+        reducer wrote them."""
+        if self.dp is not None and self.dp.ddp:
+            return
+        shared = self.shared
+        for c in self.cotangents:
+            if c is not None:
+                shared.update(storage_ptrs(c) or (UNKNOWN,))
+        passed = self.passed
+        if passed is not None:
+            for grads_in, outs in passed.captured.values():
+                for t in (*grads_in, *outs):
+                    if t is not None:
+                        shared.update(storage_ptrs(t) or (UNKNOWN,))
+        for i in self.param_slots:
+            wg = wgrads[i]
+            if wg is not None:
+                accumulate(self.weights[i], wg, shared)
 
     def _order_error(self, fn: str) -> str:
         """What a call of ``fn`` in the wrong state says (Rule 6)."""

@@ -1,20 +1,32 @@
-"""The weight groups of a split's autograd graph: which weights share where their gradient
-paths leave the input path, and which input-path nodes a weight pass will execute.
+"""Where a split's weight pass starts: the nodes of the input path from which weight paths
+leave, the outputs off the input path that lead to weights, and which replayed tensors dx
+may drop.
 
 Rules
 
-1. A group holds the weights whose gradient paths leave the input path at the same nodes, its
-   *intermediates* (the nodes of the input path from which a weight path leaves), plus the
-   outputs that do not depend on the inputs on its weight paths (its roots). Two groups that
-   meet at one weight are merged.
+1. The *input path* is every node from which an input is reachable; the *weight side* every
+   other node from which a weight is reachable. An *intermediate* is an input-path node with
+   an edge to the weight side (a linear's ``AddmmBackward0``: its edge to the weight leaves,
+   its edge to the activation stays). The weight side reaches no input-path node (it would be
+   on the input path then), so the weight pass, started at the intermediates' weight edges,
+   executes no node dx executed (``WeightPlan``, ``plan_weight_pass``).
 
 2. Between dx and dw the session keeps only the replayed tensors dw will read: during dx the
    unpack hook logs which autograd node read each replayed tensor, and when dx ends the tensors
    read only by nodes dw will not execute (activation outputs, softmax probabilities, dropout
-   masks) are dropped from the session's replay (``weight_pass_nodes``, ``trim_session``;
-   ``ckptfx.split.passes`` Rule 4, ``ckptfx.pipelining``).
+   masks) are dropped from the session's replay (``trim_session``; ``ckptfx.split.passes``
+   Rule 4). ``weight_pass_nodes`` is the set for torch's own split (``ckptfx.pipelining``),
+   which re-executes input-path nodes between the intermediates of a shared weight.
 
-The graph analysis follows the technique of ``torch.distributed.pipelining``'s
+3. A node's incoming gradients are summed in the order they arrive, and a sum of three or
+   more depends on it. The weight pass hands the intermediates' gradients in at its start,
+   a fused backward as each intermediate runs; where a weight-side node also receives from a
+   weight-side producer that a fused backward runs before one of those intermediates (a
+   recurrent cell's bias, added at every step, the first step's off the input path), the
+   per-group pass cannot give that sum bit for bit, and ``WeightPlan.misordered`` names the
+   node (``ckptfx.split.input_pass`` then takes the fused pass).
+
+The graph walk follows the technique of ``torch.distributed.pipelining``'s
 ``stage_backward_input`` / ``stage_backward_weight``; the code is ckptfx's own.
 """
 
@@ -25,26 +37,45 @@ from typing import Any, Iterable, Sequence
 
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["Node", "trim_session", "weight_pass_nodes"]
+__all__ = ["Node", "WeightPlan", "plan_weight_pass", "trim_session", "weight_pass_nodes"]
 
 Node = Any  # torch.autograd.graph.Node (C++ nodes have no common Python base)
 
 
-class WeightGroup:
-    """Weights whose gradient paths leave the input path at the same nodes."""
+class WeightPlan:
+    """Where dw starts (Rule 1).
 
-    __slots__ = ("intermediates", "roots", "weights")
+    ``intermediates`` holds ``(node, branch)`` pairs, ``branch`` the indices of the node's
+    edges into the weight side, in the order a fused backward executes the nodes (the engine
+    runs the ready node with the highest sequence number first); ``roots`` the outputs on the
+    weight side (they do not depend on the inputs); ``weights`` the weights reached at all;
+    ``misordered`` a node where the weight pass would sum gradients in another order than a
+    fused backward (Rule 3), or None.
+    """
+
+    __slots__ = ("intermediates", "misordered", "roots", "weights")
 
     def __init__(self) -> None:
-        self.intermediates: list[Node] = []  # input-path nodes; their captured grads are roots
-        self.roots: list[int] = []  # outputs that do not depend on the inputs; cotangent roots
+        self.intermediates: list[tuple[Node, tuple[int, ...]]] = []
+        self.roots: list[int] = []  # indices into the split's outputs
         self.weights: list[int] = []  # indices into the split's weight list
+        self.misordered: Node | None = None
 
 
-def plan_groups(
+def plan_weight_pass(
     out_edges: Sequence[GradientEdge], x_nodes: set[Node], w_nodes: Sequence[Node | None]
-) -> list[WeightGroup]:
-    """Group the weights by where their gradient paths meet the input path."""
+) -> WeightPlan:
+    """The intermediates, weight-side outputs and reached weights of a split's graph (Rule 1).
+
+    Example::
+
+        >>> x, w = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+        >>> y = (x * w).sum()
+        >>> plan = plan_weight_pass([get_gradient_edge(y)], {get_gradient_edge(x).node},
+        ...                         [get_gradient_edge(w).node])
+        >>> [(n.name(), b) for n, b in plan.intermediates], plan.roots, plan.weights
+        ([('MulBackward0', (1,))], [], [0])
+    """
     stop = x_nodes | {n for n in w_nodes if n is not None}
     parents: dict[Node, list[Node]] = {}
     queue: collections.deque[Node] = collections.deque()
@@ -72,57 +103,54 @@ def plan_groups(
             if p not in on_input_path:
                 on_input_path.add(p)
                 stack.append(p)
-    out_nodes: dict[Node, list[int]] = collections.defaultdict(list)
-    for i, e in enumerate(out_edges):
-        out_nodes[e.node].append(i)
-
-    groups: list[WeightGroup] = []
-    owner: dict[Node, WeightGroup] = {}
+    plan = WeightPlan()
+    weight_side: set[Node] = set()
+    found: dict[Node, None] = {}  # the intermediates, in the order found
     for wi, w in enumerate(w_nodes):
         if w is None or w not in parents:
             continue  # unused weight: no gradient
-        frontier: set[Node] = set()
-        closure = {w}
-        stack = [w]
-        while stack:
-            node = stack.pop()
-            if node in out_nodes:
-                frontier.add(node)
-            for p in parents[node]:
-                if p in on_input_path:
-                    frontier.add(p)
-                elif p not in closure:
-                    closure.add(p)
-                    stack.append(p)
-        group: WeightGroup | None = None
-        for f in frontier:
-            g = owner.get(f)
-            if g is not None and g is not group:
-                if group is None:
-                    group = g
-                else:  # two groups meet at this weight: merge them
-                    group.weights += g.weights
-                    for n in (*g.intermediates, *(out_edges[i].node for i in g.roots)):
-                        owner[n] = group
-                    group.intermediates += g.intermediates
-                    group.roots += g.roots
-                    groups.remove(g)
-        if group is None:
-            group = WeightGroup()
-            groups.append(group)
-        group.weights.append(wi)
-        for f in frontier:
-            if owner.get(f) is group:
-                continue
-            owner[f] = group
-            if f in on_input_path:
-                group.intermediates.append(f)
-            else:
-                group.roots += out_nodes[f]
-    for g in groups:
-        g.weights.sort()
-        g.roots.sort()
-    return groups
+        plan.weights.append(wi)
+        if w not in weight_side:
+            weight_side.add(w)
+            stack.append(w)
+    while stack:
+        for p in parents[stack.pop()]:
+            if p in on_input_path:
+                found[p] = None
+            elif p not in weight_side:
+                weight_side.add(p)
+                stack.append(p)
+    plan.roots = [i for i, e in enumerate(out_edges) if e.node in weight_side]
+    for node in sorted(found, key=lambda n: n._sequence_nr(), reverse=True):
+        branch = tuple(i for i, (child, _) in enumerate(node.next_functions)
+                       if child is not None and child in weight_side)
+        plan.intermediates.append((node, branch))
+    plan.misordered = _misordered(weight_side, parents, on_input_path,
+                                  collections.Counter(e.node for e in out_edges))
+    return plan
+
+
+def _misordered(weight_side: set[Node], parents: dict[Node, list[Node]],
+                on_input_path: set[Node], out_count: collections.Counter) -> Node | None:
+    """A weight-side node whose gradients the weight pass would sum in another order than a
+    fused backward (Rule 3), or None.
+
+    A fused backward adds a node's incoming gradients as their producers run: the outputs'
+    cotangents first, then in descending sequence number (the engine runs the ready node with
+    the highest number, and a node's producers were made after it). The weight pass hands
+    the intermediates' gradients in first, descending, then those of weight-side producers as
+    they run. The orders differ where an intermediate producer's number is below a weight-side
+    producer's; a sum of two is the same either way.
+    """
+    for node in weight_side:
+        ps = parents.get(node, ())
+        if len(ps) + out_count[node] < 3:
+            continue
+        direct = [p._sequence_nr() for p in ps if p in on_input_path]
+        later = [p._sequence_nr() for p in ps if p not in on_input_path]
+        if direct and later and min(direct) < max(later):
+            return node
+    return None
 
 
 def _leading_to(starts: Iterable[Node], targets: Iterable[Node], stop: set[Node]) -> set[Node]:

@@ -2,13 +2,16 @@
 
 Every variant runs a program's stage on fresh inputs (``Env``) after reseeding the global and
 the explicit generator, and returns ``(outs, grads)`` in the layout of its reference; the
-comparison is ``torch.equal`` (NaN equals NaN) on every output and every gradient, plus a
-bound on how many times the block's Python ran (``Env.calls``).
+comparison is ``torch.equal`` (NaN equals NaN) on every output, every gradient and what the
+run leaves behind (``Env.state``: the caller's RNG, the buffer, retained ``.grad``s, tensor
+hook calls), plus a bound on how many times the block's Python ran (``Env.calls``). Sparse
+gradients compare by layout, then coalesced indices and values.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import warnings
@@ -122,6 +125,18 @@ def run_autograd(e: Env, wrapped) -> tuple[list, list]:
     return det(outs), list(gs)
 
 
+def run_two_pass(e: Env, wrapped) -> tuple[list, list]:
+    """dx (retain) then dw, two plain backward calls: the reference of the session variants
+    (a tensor hook on the way to both runs in each call, as it does in plain autograd)."""
+    e.reseed()
+    with autocast(e.prog):
+        outs = stage(wrapped, e.prog)(e.p, e.x, e.idx)
+        fo, co = floats(outs), cots(e, outs)
+        dx = torch.autograd.grad(fo, [e.x], co, retain_graph=True, allow_unused=True)
+        dw = torch.autograd.grad(fo, e.leaves()[1:], co, allow_unused=True)
+    return det(outs), [*dx, *dw]
+
+
 def run_session(e: Env, wrapped) -> tuple[list, list]:
     """Collector + prefire + dx (retain) + dw (last consumer) under one recompute session."""
     e.reseed()
@@ -155,12 +170,12 @@ def run_vjp_split(e: Env, wrapped) -> tuple[list, list]:
     e.reseed()
     with autocast(e.prog):
         out, dx_fn, dw_fn = ckptfx.vjp_split(stage(wrapped, e.prog), e.p, e.x, e.idx,
-                                             x_argnums=1, params=[e.cw])
+                                             x_argnums=1, params=e.closure_leaves())
         ct = [e.cot.to(o.dtype) if o.is_floating_point() else None for o in out]
         dx = dx_fn(ct)
         dw_p, _ = dw_fn()
-    cw = torch.zeros_like(e.cw) if e.cw.grad is None else e.cw.grad
-    return det(out), [dx, *dw_p.values(), cw]
+    closure = [torch.zeros_like(q) if q.grad is None else q.grad for q in e.closure_leaves()]
+    return det(out), [dx, *dw_p.values(), *closure]
 
 
 def ref_vjp_split(e: Env) -> tuple[list, list]:
@@ -177,15 +192,19 @@ def run_grad_split(e: Env, wrapped) -> tuple[list, list]:
                                          x_argnums=1)
         value, dx = dx_fn(e.p, e.x, session=sid, idx=e.idx)
         dw = dw_fn(sid)
-    return [value.detach()], zeros_for_none([dx, *dw.values()], e.leaves()[:-1])
+    return [value.detach()], zeros_for_none([dx, *dw.values()], _inputs(e))
+
+
+def _inputs(e: Env) -> list[torch.Tensor]:
+    return [e.x, *e.p.values()]
 
 
 def ref_grad_split(e: Env) -> tuple[list, list]:
     e.reseed()
     with autocast(e.prog):
         loss = loss_of(e, stage(e.block, e.prog)(e.p, e.x, e.idx))
-        gs = torch.autograd.grad(loss, e.leaves()[:-1], allow_unused=True)
-    return [loss.detach()], zeros_for_none(gs, e.leaves()[:-1])
+        gs = torch.autograd.grad(loss, _inputs(e), allow_unused=True)
+    return [loss.detach()], zeros_for_none(gs, _inputs(e))
 
 
 def _func_inputs(e: Env):
@@ -198,6 +217,12 @@ def run_func_grad(e: Env, wrapped) -> tuple[list, list]:
     fn = stage(wrapped, e.prog)
     p, x = _func_inputs(e)
     with autocast(e.prog):
+        if e.prog.aux:  # the stage's outputs come back as aux
+            def f(p, x):
+                outs = fn(p, x, e.idx)
+                return loss_of(e, outs), outs
+            g, (value, aux) = torch.func.grad_and_value(f, argnums=(0, 1), has_aux=True)(p, x)
+            return [value.detach(), *det(aux)], [*g[0].values(), g[1]]
         g, value = torch.func.grad_and_value(
             lambda p, x: loss_of(e, fn(p, x, e.idx)), argnums=(0, 1))(p, x)
     return [value.detach()], [*g[0].values(), g[1]]
@@ -224,18 +249,19 @@ class Variant:
         self.torch_analog, self.exact_runs = torch_analog, exact_runs
 
 
-def _torch_ckpt(early_stop: bool = True, policy: Any = "none"):
+def _torch_ckpt(early_stop: bool = True, policy: Any = "none", two_pass: bool = False):
     def analog(e: Env):
         kw = {} if policy == "none" else {"context_fn": sac_context(policy)}
         wrapped = lambda p, x, idx: tcp.checkpoint(e.block, p, x, idx, use_reentrant=False, **kw)  # noqa: E731
         with tcp.set_checkpoint_early_stop(early_stop):
-            return run_autograd(e, wrapped)
+            return (run_two_pass if two_pass else run_autograd)(e, wrapped)
     return analog
 
 
 REFS: dict[str, Callable[[Env], tuple[list, list]]] = {
     "autograd": lambda e: run_autograd(e, e.block),
     "vjp": ref_vjp_split,
+    "two_pass": lambda e: run_two_pass(e, e.block),
     "loss": ref_grad_split,
     "func_grad": lambda e: run_func_grad(e, e.block),
     "func_jvp": lambda e: run_func_jvp(e, e.block),
@@ -269,11 +295,11 @@ def build_variants() -> list[Variant]:
                          lambda p, x, i: ckptfx.checkpoint(e.block, p, x, i),
                          policy=cp.dots_saveable)),
                      "autograd", max_runs=3, torch_analog=_torch_ckpt()))
-    V.append(Variant("session checkpoint", lambda e: run_session(e, wrap_ckpt(e)), "autograd",
-                     torch_analog=_torch_ckpt()))
+    V.append(Variant("session checkpoint", lambda e: run_session(e, wrap_ckpt(e)), "two_pass",
+                     torch_analog=_torch_ckpt(two_pass=True)))
     for pol in ("default", "dots_saveable", "only_names"):
         V.append(Variant(f"session remat({pol})", lambda e, pol=pol: run_session(e, wrap_remat(e, pol)),
-                         "autograd", torch_analog=_torch_ckpt(True, POLICIES[pol])))
+                         "two_pass", torch_analog=_torch_ckpt(True, POLICIES[pol], two_pass=True)))
     V.append(Variant("vjp_split checkpoint", lambda e: run_vjp_split(e, wrap_ckpt(e)), "vjp",
                      torch_analog=_torch_ckpt()))
     V.append(Variant("vjp_split remat(dots_saveable)",
@@ -302,36 +328,51 @@ VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 def _eq(u: torch.Tensor | None, v: torch.Tensor | None) -> bool:
     if u is None or v is None:
         return u is None and v is None
-    if u.dtype != v.dtype or u.shape != v.shape:
+    if u.dtype != v.dtype or u.shape != v.shape or u.layout != v.layout:
         return False
+    if u.is_sparse:
+        u, v = u.coalesce(), v.coalesce()
+        return torch.equal(u.indices(), v.indices()) and _eq(u.values(), v.values())
     if u.is_floating_point():
         nu, nv = torch.isnan(u), torch.isnan(v)
         return torch.equal(nu, nv) and torch.equal(u.masked_fill(nu, 0), v.masked_fill(nv, 0))
     return torch.equal(u, v)
 
 
-def compare(got: tuple[list, list], ref: tuple[list, list]) -> str | None:
-    """None when bitwise equal, else what differs."""
-    for what, a, b in (("output", got[0], ref[0]), ("gradient", got[1], ref[1])):
+def compare(got: tuple[list, ...], ref: tuple[list, ...]) -> str | None:
+    """None when bitwise equal, else what differs (outputs, gradients, then ``Env.state``)."""
+    for what, a, b in zip(("output", "gradient", "state"), got, ref):
         if len(a) != len(b):
             return f"{what}s: {len(a)} vs {len(b)} tensors"
         for i, (u, v) in enumerate(zip(a, b)):
             if not _eq(u, v):
+                name = f"{what} {i}" + (f" ({_state_name(i, len(a))})" if what == "state" else "")
                 if u is None or v is None:
-                    return f"{what} {i}: None vs tensor"
+                    return f"{name}: {'None' if u is None else 'tensor'} vs " \
+                           f"{'None' if v is None else 'tensor'}"
+                if what == "state" and not 2 < i < len(a) - 1:  # not a retained .grad
+                    return f"{name} differs"
                 diff = ((u.double() - v.double()).abs().max().item()
-                        if u.shape == v.shape else "shape")
-                return f"{what} {i} differs (max abs diff {diff}, {u.dtype} vs {v.dtype})"
+                        if u.shape == v.shape and u.layout == v.layout == torch.strided
+                        else f"{u.layout} vs {v.layout}" if u.layout != v.layout else "shape")
+                return f"{name} differs (max abs diff {diff}, {u.dtype} vs {v.dtype})"
     return None
 
 
+def _state_name(i: int, n: int) -> str:
+    names = {0: "the caller's RNG state afterwards", 1: "the explicit generator's state afterwards",
+             2: "the buffer", n - 1: "the counting hook's calls"}
+    return names.get(i, f"the .grad of retained intermediate {i - 3}")
+
+
 def outcome(fn: Callable[[Env], tuple[list, list]], prog: Program) -> tuple[Any, int]:
-    """(result or the exception raised, block runs)."""
+    """((outputs, gradients, state) or the exception raised, block runs)."""
     e = Env(prog)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return fn(e), e.calls
+            outs, grads = fn(e)
+            return (outs, grads, e.state()), e.calls
     except Exception as ex:  # noqa: BLE001 - the fuzzer records every failure
         return ex, e.calls
 
@@ -380,7 +421,15 @@ def same_failure(a: tuple[str, str] | None, b: tuple[str, str] | None) -> bool:
         return False
     if a[0] == "error":
         return a[1].split(":")[0] == b[1].split(":")[0]
-    return True
+    return what_differs(a[1]) == what_differs(b[1])
+
+
+def what_differs(detail: str) -> str:
+    """Of a 'wrong' detail: 'values' (outputs or gradients) or the named ``Env.state`` entry
+    (a retained .grad, the hook calls, the RNG afterwards...)."""
+    if detail.startswith("state"):
+        return detail[detail.find("("):detail.find(")") + 1] or "state count"
+    return "values"
 
 
 def torch_failure(variant: Variant, prog: Program) -> tuple[str, str] | None:
@@ -398,16 +447,20 @@ def torch_failure(variant: Variant, prog: Program) -> tuple[str, str] | None:
 # What torch's checkpoint is known to get wrong; the fuzzer names the limit it hit.
 SHARED_LIMITS = {
     "gen_randn": "explicit torch.Generator under checkpoint: the replay draws new numbers",
-    "mm_add_": "selective checkpoint + in-place write through aten._unsafe_view",
 }
+SHARED_LIMITS["gen_restore"] = SHARED_LIMITS["gen_randn"]
+# ops that draw from the explicit generator at the state it has when the replay runs
+GENERATOR_DRAWS = {"gen_randn", "gen_restore"}
 
 
-def generator_limit_applies(variant: Variant, prog: Program) -> bool:
+def generator_limit_applies(variant: Variant, prog: Program, detail: str = "") -> bool:
     """An explicit generator under a variant that runs torch's kind of checkpoint (it has a
     torch analog): the replay draws new numbers, so a wrong result is the shared limit even
     where torch's own replay happened to draw values that left the gradient unchanged (the
-    draw order of two replays can differ between the two kernels)."""
-    return variant.torch_analog is not None and "gen_randn" in {s.op for s in prog.steps}
+    draw order of two replays can differ between the two kernels). Not for a difference in
+    hooks or retained gradients: new numbers do not explain those."""
+    return (variant.torch_analog is not None and bool(GENERATOR_DRAWS & {s.op for s in prog.steps})
+            and what_differs(detail) in ("values", "(the explicit generator's state afterwards)"))
 
 
 def describe_shared(prog: Program) -> str:
@@ -430,10 +483,10 @@ def shrink(variant: Variant, prog: Program, failure: tuple[str, str],
     while changed and tries < budget:
         changed = False
         for cand in (
-            [Program(prog.steps, [], prog.ncalls, prog.bf16, prog.seed)] if prog.extra else []
-        ) + ([Program(prog.steps, prog.extra, 1, prog.bf16, prog.seed)] if prog.ncalls > 1 else []) + (
-            [Program(prog.steps, prog.extra, prog.ncalls, False, prog.seed)] if prog.bf16 else []
-        ):
+            [dataclasses.replace(prog, extra=[])] if prog.extra else []
+        ) + ([dataclasses.replace(prog, ncalls=1)] if prog.ncalls > 1 else []) + (
+            [dataclasses.replace(prog, bf16=False)] if prog.bf16 else []
+        ) + ([dataclasses.replace(prog, aux=False)] if prog.aux else []):
             if tries < budget and still(cand):
                 prog, changed = cand, True
         for j in reversed(range(len(prog.steps))):

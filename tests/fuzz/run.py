@@ -12,6 +12,7 @@ import argparse
 import collections
 import dataclasses
 import os
+import re
 import sys
 import time
 import warnings
@@ -34,6 +35,7 @@ class Finding:
     shared: str | None = None  # the limit shared with torch's checkpoint
     known: str | None = None  # the documented known failure
     shrunk: Program | None = None
+    family: str = ""  # the program's issue-36 family ("" for a base program)
 
 
 @dataclasses.dataclass
@@ -44,6 +46,7 @@ class Summary:
     invalid: int = 0  # the reference itself raised (not a program for that variant)
     seconds: float = 0.0
     findings: list[Finding] = dataclasses.field(default_factory=list)
+    families: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def counts(self) -> dict[str, int]:
         c = collections.Counter()
@@ -61,7 +64,8 @@ class Summary:
 
     def report(self) -> str:
         c = self.counts()
-        kinds = collections.Counter(f"{f.variant}: {f.detail[:90]}" for f in self.findings
+        kinds = collections.Counter(f"{f.variant}: {re.sub(r'[0-9]+', 'N', f.detail[:90])}"
+                                    for f in self.findings
                                     if f.category == "error" and not f.shared and not f.known)
         known = collections.Counter(f.known for f in self.findings if f.known)
         shared = collections.Counter(f.shared for f in self.findings if f.shared)
@@ -87,6 +91,15 @@ class Summary:
             lines.append("shared with torch.utils.checkpoint (documented limit, not a failure):")
             lines += [f"  {n} x {k}\n      in: {', '.join(sorted(where[k]))}"
                       for k, n in shared.most_common()]
+        if self.families:
+            lines.append("program families (issue 36):")
+            for fam, n in sorted(self.families.items()):
+                new = [f for f in self.new() if f.family == fam]
+                shared = sum(1 for f in self.findings if f.family == fam and f.shared)
+                lines.append(f"  {fam or 'base'}: {n} programs, {len(new)} new failures "
+                             f"({len({f.seed for f in new})} programs, "
+                             f"{len({f.variant for f in new})} variants), "
+                             f"{shared} shared with torch")
         return "\n".join(lines)
 
 
@@ -95,6 +108,7 @@ def fuzz_program(seed: int, summary: Summary, shrink: bool = True, out=None,
     prog = generate(seed)
     found: list[Finding] = []
     summary.programs += 1
+    summary.families[prog.family] += 1
     shrunk_kinds: set[tuple[str, str]] = set()
     for v in variants or h.VARIANTS:
         summary.runs += 1
@@ -105,19 +119,22 @@ def fuzz_program(seed: int, summary: Summary, shrink: bool = True, out=None,
         if r[0] == "invalid":
             summary.invalid += 1
             continue
-        f = Finding(seed, v.name, r[0], r[1], known=known_failure(prog, v.name, r[0], r[1]))
+        f = Finding(seed, v.name, r[0], r[1], known=known_failure(prog, v.name, r[0], r[1]),
+                    family=prog.family)
         if not f.known:
             t = h.torch_failure(v, prog)
             if t is not None and h.same_failure(r, t):
                 f.shared = h.describe_shared(prog)
-            elif r[0] == "wrong" and h.generator_limit_applies(v, prog):
+            elif r[0] == "wrong" and h.generator_limit_applies(v, prog, r[1]):
                 f.shared = h.SHARED_LIMITS["gen_randn"]
         if shrink and not f.shared and not f.known:
-            key = (r[0], r[1].split(":")[0] if r[0] == "error" else "")
+            key = (r[0], r[1].split(":")[0] if r[0] == "error" else h.what_differs(r[1]))
             f.shrunk = h.shrink(v, prog, r) if key not in shrunk_kinds else None
             shrunk_kinds.add(key)
             if out is not None:
-                print(f"\nFAILURE seed={seed} variant={v.name}: {r[0]}: {r[1]}", file=out)
+                print(f"\nFAILURE seed={seed} variant={v.name}"
+                      f"{f' family={prog.family}' if prog.family else ''}: {r[0]}: {r[1]}",
+                      file=out)
                 if f.shrunk is not None:
                     print("minimal program:\n" + f.shrunk.describe(), file=out)
         found.append(f)

@@ -9,14 +9,16 @@ runs: ``CKPTFX_FUZZ_SECONDS=300 python -m tests.fuzz``.
 
 from __future__ import annotations
 
+import collections
 import os
+import random
 
 import pytest
 import torch
 
 from . import harness as h
 from .known import FIXED, KNOWN
-from .program import Program, Step, generate
+from .program import BASE_OPS, FAMILIES, OPS, Program, Step, _step_args, generate
 from .run import Summary, fuzz_program
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -109,3 +111,46 @@ def test_program_renders_and_runs() -> None:
     e = h.Env(prog)
     out = e.block(e.p, e.x, e.idx)
     assert torch.is_tensor(out[0]) and e.calls == 1
+
+
+NEW_OPS = [op for op in OPS if op not in BASE_OPS]
+
+
+def test_families_are_generated() -> None:
+    """Every issue-36 family (and each of its ops) is drawn often: several times in the CI
+    seeds, so in a 60 s run too; a program without a family has only the base ops."""
+    fams = collections.Counter(generate(s).family for s in range(N_SEEDS))
+    assert all(fams[f] >= 5 for f in FAMILIES), fams
+    ops = {st.op for s in range(1000) for st in generate(s).steps}
+    assert set(NEW_OPS) <= ops, set(NEW_OPS) - ops
+    plain = [generate(s) for s in range(200)]
+    assert all(st.op in BASE_OPS for p in plain if not p.family for st in p.steps)
+
+
+@pytest.mark.parametrize("op", NEW_OPS)
+def test_family_op_renders_and_runs(op: str) -> None:
+    """Each family op renders and runs under plain autograd, and the harness runs it under
+    ckptfx (exactness is the fuzz run's business: the library's fixes land separately)."""
+    arity = OPS[op][0]
+    prog = Program([Step("tanh", (0,)), Step(op, (1,) * arity, _step_args(op, random.Random(0))),
+                    Step("sin", (2,))], [1], ncalls=2)
+    e = h.Env(prog)
+    assert torch.is_tensor(e.block(e.p, e.x, e.idx)[0])
+    ref = h.outcome(h.REFS["two_pass"], prog)[0]
+    assert not isinstance(ref, BaseException), h.kind_of(ref)
+    for name in ("remat(default)", "vjp_split remat(dots_saveable)", "session checkpoint"):
+        r = h.check(h.VARIANTS_BY_NAME[name], prog)
+        assert r is None or r[0] != "invalid", r
+
+
+def test_func_twice_family_runs() -> None:
+    """Twice under torch.func.grad with the stage's outputs as aux: the reference has the
+    value and the aux outputs (both calls' extra values)."""
+    prog = Program([Step("dropout", (0,)), Step("matmul", (1,), "w0")], [1], ncalls=2, aux=True,
+                   family="func_twice")
+    got = h.outcome(h.REFS["func_grad"], prog)[0]
+    assert not isinstance(got, BaseException), h.kind_of(got)
+    assert len(got[0]) == 1 + 3  # value, y, and v1 of each call
+    r = h.check(h.VARIANTS_BY_NAME["torch.func.grad remat(default)"], prog)
+    assert r is None or r[0] != "invalid", r
+    assert "aux=True" in prog.describe()
