@@ -29,15 +29,16 @@ class OpInfo:
     writes in place; ``view``: returns an alias of an input; ``alias``: a view, or an op that
     returns an alias although its schema does not say so; ``empty``: allocates without
     initialising; ``opaque``: an op outside ATen and prims (a custom op) that does not declare
-    itself random: whether it draws random numbers is not known from its schema;
-    ``dtype_default``: takes an optional ``dtype``, which ATen fills in from the default
-    dtype."""
+    itself random: whether it draws random numbers is not known from its schema."""
 
-    __slots__ = ("seeded", "writes", "view", "alias", "empty", "opaque", "dtype_default")
+    __slots__ = ("seeded", "writes", "view", "alias", "empty", "opaque")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
-        self.seeded = _SEEDED in func.tags
+        # Tagged random, or given a generator (a custom op's ``Generator?`` argument: it is
+        # there to be drawn from, whatever the tags say).
+        self.seeded = _SEEDED in func.tags or any(
+            str(a.type) in ("Generator", "Optional[Generator]") for a in schema.arguments)
         self.writes = tuple(
             (i, a.name) for i, a in enumerate(schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write
@@ -46,8 +47,6 @@ class OpInfo:
                         for r in schema.returns)
         self.alias = self.view or func in _UNANNOTATED_VIEWS
         self.empty = func in _EMPTY_OPS
-        self.dtype_default = any(a.name == "dtype" and isinstance(a.type, torch.OptionalType)
-                                 for a in schema.arguments)
         self.opaque = not self.seeded and getattr(func, "namespace", "aten") not in _KNOWN
 
 

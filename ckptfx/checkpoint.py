@@ -226,12 +226,8 @@ def checkpoint(
             and determinism_check == "default"):  # the defaults need no check (a hot path)
         options = DEFAULT_OPTIONS
     else:
-        check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
-                      preserve_rng_state=preserve_rng_state, early_stop=early_stop,
-                      policy=policy)
-        options = {"context_fn": context_fn, "determinism_check": determinism_check,
-                   "debug": debug, "preserve_rng_state": preserve_rng_state,
-                   "early_stop": early_stop}
+        options = _checked_options(context_fn, determinism_check, debug, preserve_rng_state,
+                                   early_stop, policy)
     if not args and not kwargs:  # a function of no arguments, or checkpoint used as remat
         try:
             return run(function, args, kwargs, policy, options)
@@ -247,10 +243,20 @@ def checkpoint(
     return run(function, args, kwargs, policy, options)
 
 
+def _checked_options(context_fn: Any, determinism_check: Any, debug: Any,
+                     preserve_rng_state: Any, early_stop: Any, policy: Any
+                     ) -> Mapping[str, Any]:
+    check_options(context_fn=context_fn, determinism_check=determinism_check, debug=debug,
+                  preserve_rng_state=preserve_rng_state, early_stop=early_stop, policy=policy)
+    return {"context_fn": context_fn, "determinism_check": determinism_check, "debug": debug,
+            "preserve_rng_state": preserve_rng_state, "early_stop": early_stop}
+
+
 def _curried(unknown: dict[str, Any], **cfg: Any) -> Callable[[Callable[..., Any]],
                                                                Callable[..., Any]]:
     """``checkpoint(**cfg)``: what takes the function, torch's curried form (also a decorator:
-    ``@ckptfx.checkpoint(policy=...)``). The options are checked here, at once."""
+    ``@ckptfx.checkpoint(policy=...)``). The options are checked here, at once, and the
+    function's own keyword arguments (even one named ``policy`` or ``debug``) go to it."""
     if unknown:
         raise TypeError(
             f"checkpoint() got keyword arguments {sorted(unknown)} but no function: in the "
@@ -260,7 +266,9 @@ def _curried(unknown: dict[str, Any], **cfg: Any) -> Callable[[Callable[..., Any
             "to the last call")
     if cfg["use_reentrant"] is not False:
         check_use_reentrant(cfg["use_reentrant"], "checkpoint")
-    check_options(**{k: v for k, v in cfg.items() if k != "use_reentrant"})
+    policy = cfg["policy"]
+    options = _checked_options(cfg["context_fn"], cfg["determinism_check"], cfg["debug"],
+                               cfg["preserve_rng_state"], cfg["early_stop"], policy)
 
     def configure(function: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(function):
@@ -268,7 +276,7 @@ def _curried(unknown: dict[str, Any], **cfg: Any) -> Callable[[Callable[..., Any
 
         @functools.wraps(function)
         def checkpointed(*args: Any, **kwargs: Any) -> Any:
-            return checkpoint(function, *args, **cfg, **kwargs)
+            return run(function, args, kwargs, policy, options)
         return checkpointed
     return configure
 

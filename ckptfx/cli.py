@@ -339,7 +339,26 @@ def _bench(args: argparse.Namespace) -> None:
     if args.jobs < 0:
         raise UsageError(f"--jobs expects 0 (one per core) or a positive integer, got "
                          f"{args.jobs}")
+    if args.out is not None:
+        _check_out_dir(args.out)  # before the run, not after it with the results lost
     bench.bench(mode, args.out, args.device, variants, args.threads, args.markdown, args.jobs)
+
+
+def _check_out_dir(out: str) -> None:
+    """``--out DIR`` must be a directory ckptfx can write, or be creatable in one."""
+    path = os.path.abspath(out)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise UsageError(f"--out {out}: exists and is not a directory")
+        where = path
+    else:
+        where = os.path.dirname(path)
+        while not os.path.exists(where):
+            where = os.path.dirname(where)
+        if not os.path.isdir(where):
+            raise UsageError(f"--out {out}: {where} is not a directory")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: cannot write in {where}")
 
 
 # -- the parser -----------------------------------------------------------------------------

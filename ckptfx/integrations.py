@@ -21,6 +21,15 @@ with the blocks found for you. Rules:
    ``torch.save(model)`` / ``torch.load`` and the gradients, bit for bit.
 4. **Bad input fails before anything changes**: a bad policy, a ``check_fn`` that is not
    callable or matches nothing, or a model with no repeated blocks.
+5. **Hugging Face's switch keeps ckptfx.** On a Hugging Face model, ckptfx also answers the
+   model's ``activation_checkpointing_enable`` (and the deprecated
+   ``gradient_checkpointing_enable``), which ``Trainer`` calls for
+   ``activation_checkpointing=True``: instead of putting torch's checkpoint in ckptfx's
+   place, it applies ckptfx again, with the policy given in the keyword arguments
+   (``{"policy": ...}``, or ``memory_budget``, ``early_stop``) or else the one applied
+   before; ``every_n_layers`` picks the layers as Hugging Face does. What ckptfx does not
+   do there (reentrant checkpointing, Hugging Face's ``offload``, other checkpoint
+   options) is refused with an error naming it, before anything changes.
 """
 
 from __future__ import annotations
@@ -157,6 +166,8 @@ def apply_activation_checkpointing(
           if layer_class is not None and isinstance(b, layer_class)]
     if hf:
         _enable_hf(model, hf, early_stop)
+        _KeepCkptfx.install(model, {"policy": policy, "check_fn": check_fn,
+                                    "memory_budget": memory_budget, "early_stop": early_stop})
     for block, block_policy in zip(blocks, policies):
         if not (layer_class is not None and isinstance(block, layer_class)):
             options: dict[str, Any] = {"early_stop": early_stop}
@@ -303,3 +314,83 @@ def _enable_hf(model: nn.Module, layers: list[tuple[nn.Module, Any]], early_stop
             continue
         setattr(m, "_gradient_checkpointing_func", chosen.get(id(m), shared))
         setattr(m, "gradient_checkpointing", True)
+
+
+class _KeepCkptfx:
+    """A Hugging Face model's ``activation_checkpointing_enable`` (and
+    ``gradient_checkpointing_enable``) once ckptfx checkpoints it (Rule 5). An object of a
+    module-level class, not a closure, so that the model still pickles."""
+
+    _NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+    _OWN = ("policy", "memory_budget", "early_stop")
+
+    def __init__(self, model: nn.Module, applied: dict[str, Any]) -> None:
+        self.model = model
+        self.applied = applied
+
+    @classmethod
+    def install(cls, model: nn.Module, applied: dict[str, Any]) -> None:
+        keeper = cls(model, applied)
+        for name in cls._NAMES:
+            if callable(getattr(type(model), name, None)):
+                object.__setattr__(model, name, keeper)
+
+    def __call__(self, activation_checkpointing_kwargs: dict[str, Any] | None = None,
+                 every_n_layers: int = 1, offload: bool = False, *,
+                 gradient_checkpointing_kwargs: dict[str, Any] | None = None) -> None:
+        kwargs = dict(activation_checkpointing_kwargs or gradient_checkpointing_kwargs or {})
+        if kwargs.pop("use_reentrant", False):
+            raise ValueError(
+                "activation_checkpointing_kwargs: use_reentrant=True asks for torch's "
+                "reentrant checkpoint; ckptfx checkpoints this model (applied by "
+                "ckptfx.apply_activation_checkpointing) and has no reentrant variant. Drop "
+                "use_reentrant, or set it to False")
+        unknown = sorted(k for k in kwargs if k not in self._OWN)
+        if unknown:
+            raise TypeError(
+                f"activation_checkpointing_kwargs: {unknown} are not options of ckptfx's "
+                "checkpointing of this model (it takes policy, memory_budget and "
+                "early_stop; ckptfx.apply_activation_checkpointing applied it)")
+        if offload:
+            raise ValueError(
+                "offload=True is Hugging Face's save_on_cpu around torch's checkpoint; with "
+                "ckptfx choose what goes to host memory with a policy instead, e.g. "
+                "activation_checkpointing_kwargs={'policy': "
+                "ckptfx.checkpoint_policies.offload_dot_with_no_batch_dims()}")
+        if not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
+        options = {k: v for k, v in self.applied.items() if k != "check_fn"}
+        if "policy" in kwargs or "memory_budget" in kwargs:
+            options["policy"] = options["memory_budget"] = None
+        options.update(kwargs)
+        check_fn = self.applied["check_fn"]
+        model = self.model
+        if every_n_layers != 1:
+            check_fn = _every_nth_layer(model, every_n_layers, check_fn)
+        # Hugging Face's own flags first, off everywhere, so layers left out this time (a
+        # new every_n_layers) run plain
+        for m in model.modules():
+            if hasattr(m, "gradient_checkpointing"):
+                setattr(m, "gradient_checkpointing", False)
+        apply_activation_checkpointing(model, check_fn=check_fn, **options)
+        # the keeper that applied it again holds the layers chosen this time: keep the
+        # options and the blocks the user chose instead
+        self.install(model, {**options, "check_fn": self.applied["check_fn"]})
+        # as Hugging Face's enable does: the embeddings' output requires grad, so that
+        # frozen embeddings (PEFT) still pass gradients to the checkpointed layers
+        if (getattr(model, "main_input_name", None) == "input_ids"
+                or getattr(model, "_hf_peft_config_loaded", False)):
+            enable = getattr(model, "enable_input_require_grads", None)
+            if callable(enable):
+                enable()
+
+
+def _every_nth_layer(model: nn.Module, n: int, check_fn: Callable[[nn.Module], bool] | None
+                     ) -> Callable[[nn.Module], bool]:
+    """Hugging Face's ``every_n_layers``: of the model's layers in module order, those whose
+    index is a multiple of ``n``."""
+    layer_class = _hf_layer_class()
+    layers = [m for m in model.modules() if layer_class is not None and isinstance(m, layer_class)
+              and (check_fn is None or check_fn(m))]
+    chosen = {id(m) for i, m in enumerate(layers) if i % n == 0}
+    return lambda m: id(m) in chosen

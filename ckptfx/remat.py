@@ -274,6 +274,7 @@ class _FlatCall:
             return fun(*a, **k)
 
         flat_fun.__qualname__ = getattr(fun, "__qualname__", "remat")
+        flat_fun.__ckptfx_fun__ = fun  # type: ignore[attr-defined]  # for residual reports
         self.fn = flat_fun
         self._pytree = (leaves, spec, positions, restore, dyn_args, dyn_kwargs)
 

@@ -279,6 +279,11 @@ def _source(tracer: Tracer, kind: str, x: torch.Tensor, slot: int, version: int,
             return None, f"from the argument {tracer.input_names[seg.input_slots.index(slot)]}"
         t = seg.outside.get(slot, (x, 0))[0]
         name = outside.get(id(t))
+        inner = getattr(fn, "__ckptfx_fun__", fn)
+        if name is None and isinstance(inner, functools.partial):
+            # bound to the block's own function (Hugging Face's layers pass their keyword
+            # arguments to checkpointing in a functools.partial)
+            name = _outside_names(inner, []).get(id(t))
         if name is not None:
             return None, f"from {name}"
         return None, (f"from a tensor that {where} reads from outside: not an argument, a "

@@ -41,6 +41,20 @@ DEVICES = [
 needs_accelerator = pytest.mark.skipif(ACCELERATOR is None, reason=NO_ACCELERATOR_REASON)
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                   items: list[pytest.Item]) -> None:
+    """``CKPTFX_SHUFFLE=SEED``: run the tests in an order shuffled by SEED (one test's state
+    leaking into the next shows up as a failure in some order; CI runs one shuffled pass).
+    The seed is printed, so a failing order can be run again."""
+    seed = os.environ.get("CKPTFX_SHUFFLE")
+    if not seed:
+        return
+    import random
+
+    random.Random(seed).shuffle(items)
+    print(f"\ntests shuffled with CKPTFX_SHUFFLE={seed}")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Move everything alive after collection (modules, torch, the collected tests) out of the
     collector's sight: the many ``gc.collect()`` of the leak and session tests then scan only

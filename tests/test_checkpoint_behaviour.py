@@ -461,5 +461,10 @@ def test_curried_form_checkpoints_as_the_direct_call(policy: str | None) -> None
         return torch.tanh(x @ w).sin() * 0.5
 
     assert decorated.__name__ == "decorated"
+
+    def named_like_options(x: torch.Tensor, policy: float, debug: bool) -> torch.Tensor:
+        return (x * policy).sin() if debug else x
+    out = ckptfx.checkpoint(early_stop=False)(named_like_options)(x, policy=2.0, debug=True)
+    assert torch.equal(out, (x * 2.0).sin())  # the function's keywords are the function's
     actual = torch.autograd.grad(decorated(x).sum(), [x, w])
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))

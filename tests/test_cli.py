@@ -191,6 +191,8 @@ def test_a_factory_without_arguments_shows_an_example_that_parses(factory: str) 
     (["bench", "--threads", "0"], "--threads expects a positive integer"),
     (["bench", "--quick", "--full"], "not allowed with argument"),
     (["bench", "--overhead", "--out", "x"], "--out belongs to the decoder benchmark"),
+    (["bench", "--tiny", "--out", __file__], "exists and is not a directory"),
+    (["bench", "--tiny", "--out", __file__ + "/results"], "is not a directory"),
     (["bench", "--overhead", "--rounds", "0"], "--rounds expects a positive integer"),
     (["bench", "--overhead", "--only", "bogus"], "invalid choice: 'bogus'"),
     (["bench", "--only", "remat"], "--only and --rounds belong to --overhead"),

@@ -124,3 +124,17 @@ def test_memory_is_counted_per_device() -> None:
     del x
     assert torch.fakeacc.memory_allocated(1) == before
     assert torch.fakeacc.max_memory_allocated(1) == before + 4096
+
+
+def test_torch_accelerator_memory_api_reads_the_fake_devices_counts() -> None:
+    """Libraries call torch.accelerator's memory API on whatever device there is
+    (accelerate empties the cache between steps): the fake device's allocator answers it."""
+    torch.accelerator.empty_cache()
+    before = torch.accelerator.memory_allocated()
+    x = torch.empty(1000, device=DEV)
+    assert torch.accelerator.memory_allocated() == before + 4000
+    assert torch.accelerator.max_memory_allocated() >= before + 4000
+    del x
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated()
+    assert torch.accelerator.memory_allocated() == before

@@ -10,19 +10,19 @@ from __future__ import annotations
 import functools
 import io
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from conftest import OpCounter, assert_bitwise, maybe_autocast
+from models import Block
 from torch import nn
 
 import ckptfx
 from ckptfx import checkpoint_policies as cp
 from ckptfx.integrations import find_blocks
-
-from conftest import OpCounter, assert_bitwise, maybe_autocast
-from models import Block
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -282,7 +282,9 @@ def test_differential_against_torch_apply_activation_checkpointing() -> None:
     same model: the same gradients and block runs as no checkpoint's (plus one replay per
     block); torch's renames every parameter of a block (its state_dict hooks strip the
     prefix again), ckptfx's renames nothing."""
-    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrap
+    from torch.distributed.algorithms._checkpoint import (
+        checkpoint_wrapper as torch_wrap,
+    )
 
     x = torch.randn(4, 8)
     torch.manual_seed(0)
@@ -741,3 +743,79 @@ def test_hf_memory_budget_gives_each_layer_its_share() -> None:
             loss.backward()
         flops.append(counter.get_total_flops())
     assert flops[1] < flops[0], flops  # the planned layers keep values: less recompute
+
+
+# -- Hugging Face Trainer (integrations.py Rule 5) -----------------------------------------------
+
+
+def _trainer_run(tmp_path: Path, apply: dict[str, Any] | None, **args: Any
+                 ) -> tuple[dict[str, torch.Tensor], nn.Module]:
+    """Two Trainer steps of a random-init Llama (dropout on); the weights after them."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    pytest.importorskip("accelerate", reason="Trainer needs accelerate")
+    model = _hf_model("llama")
+    if apply is not None:
+        ckptfx.apply_activation_checkpointing(model, **apply)
+    ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    training = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+        learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
+        logging_strategy="no", dataloader_num_workers=0, seed=3, disable_tqdm=True, **args)
+    transformers.Trainer(model=model, args=training, train_dataset=data).train()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, model
+
+
+def _checkpointed_by(model: nn.Module) -> list[Any]:
+    return [getattr(m, "_gradient_checkpointing_func", None) if m.gradient_checkpointing
+            else None for m in find_blocks(model)]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("kwargs", [None, {"policy": cp.dots_saveable}],
+                         ids=["policy_applied", "policy_in_kwargs"])
+def test_trainer_activation_checkpointing_keeps_ckptfx(tmp_path: Path,
+                                                       kwargs: dict[str, Any] | None) -> None:
+    """Trainer's activation_checkpointing=True after ckptfx was applied keeps ckptfx (it
+    used to put torch's checkpoint in its place, silently), with the policy given in
+    activation_checkpointing_kwargs or else the one applied; weights bitwise those of the
+    same Trainer without checkpointing."""
+    expected, _ = _trainer_run(tmp_path / "plain", None)
+    applied = {"policy": cp.checkpoint_dots_with_no_batch_dims}
+    got, model = _trainer_run(tmp_path / "ckptfx", applied, activation_checkpointing=True,
+                              activation_checkpointing_kwargs=kwargs)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    want = kwargs["policy"] if kwargs else applied["policy"]
+    for func in _checkpointed_by(model):
+        assert func.func is ckptfx.checkpoint and func.keywords["policy"] is want
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hf_enable_every_n_layers_and_refusals_with_ckptfx_applied() -> None:
+    model = ckptfx.apply_activation_checkpointing(_hf_model("llama"))
+    buf = io.BytesIO()
+    torch.save(model, buf)  # the keeper pickles with the model (Hugging Face's enable makes
+    buf.seek(0)             # an unpicklable hook of its own, so this comes first)
+    loaded = torch.load(buf, weights_only=False)
+    loaded.activation_checkpointing_enable(activation_checkpointing_kwargs={
+        "policy": cp.dots_saveable})
+    assert all(f.keywords["policy"] is cp.dots_saveable for f in _checkpointed_by(loaded))
+    model.activation_checkpointing_enable(every_n_layers=2)
+    funcs = _checkpointed_by(model)
+    assert funcs[0].func is ckptfx.checkpoint and funcs[1] is None  # layer 0 of 2
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert all(f is not None and f.func is ckptfx.checkpoint for f in _checkpointed_by(model))
+    for kwargs, exc, match in [
+        ({"activation_checkpointing_kwargs": {"use_reentrant": True}}, ValueError,
+         "no reentrant"),
+        ({"activation_checkpointing_kwargs": {"preserve_rng_state": False}}, TypeError,
+         r"\['preserve_rng_state'\] are not options"),
+        ({"offload": True}, ValueError, "offload_dot_with_no_batch_dims"),
+        ({"every_n_layers": 0}, ValueError, "every_n_layers must be a positive int"),
+    ]:
+        with pytest.raises(exc, match=match):
+            model.activation_checkpointing_enable(**kwargs)
+        assert all(f is not None and f.func is ckptfx.checkpoint  # unchanged
+                   for f in _checkpointed_by(model))

@@ -257,3 +257,32 @@ def test_checkpoint_around_a_remat_block_leaves_the_explicit_generator_as_plain_
 
     inner = ckptfx.remat(block, policy=POLICIES[policy])
     assert_bitwise(run(lambda x: ckptfx.checkpoint(inner, x)), run(block))
+
+
+_LIB = torch.library.Library("ckptfx_test_gen", "DEF")
+_LIB.define("noisy(Tensor x, Generator? g) -> Tensor")
+_LIB.impl("noisy", lambda x, g: x * torch.rand(x.shape, generator=g, device=x.device),
+          "CompositeExplicitAutograd")
+
+
+@pytest.mark.parametrize("policy", ["nothing", "dots"])
+def test_custom_op_given_a_generator_replays_its_draw(policy: str,
+                                                      device: torch.device) -> None:
+    """An op with a ``Generator?`` argument draws from it, whatever its tags say: it is
+    recorded as a random op and the generator replayed, on every call."""
+    gen = torch.Generator(device=device)
+    x0 = torch.randn(3, 4, device=device)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * torch.ops.ckptfx_test_gen.noisy(x.detach(), gen))
+
+    def run(fn):
+        gen.manual_seed(0)
+        x = x0.clone().requires_grad_()
+        out = fn(x)
+        out.sum().backward()
+        return [out, x.grad, gen.get_state()]
+
+    rematted = ckptfx.remat(block, policy=POLICIES[policy])
+    for _ in range(2):
+        assert_bitwise(run(rematted), run(block))

@@ -214,7 +214,7 @@ def test_block_that_rewrites_state_it_read_refuses_to_rerun(policy: str) -> None
     x = torch.randn(6, 4, requires_grad=True)
     sn = _spectral_norm()
     out = ckptfx.remat(sn, policy=POLICIES[policy])(x)
-    with pytest.raises(ckptfx.CheckpointError, match="then wrote it in place"):
+    with pytest.raises(ckptfx.CheckpointError, match="that it also writes in place"):
         out.square().sum().backward()
     assert x.grad is None and all(p.grad is None for p in sn.parameters())
 
@@ -265,3 +265,68 @@ def test_value_written_through_numpy_after_it_was_saved_reruns_to_the_end(
     finally:
         ckptfx.clear_recompute_session(session)
     assert_bitwise(actual, expected)
+
+
+def test_default_dtype_set_and_restored_inside_the_block_reruns_it() -> None:
+    """Type promotion reads the default dtype too (an integer tensor times a Python float):
+    a change undone before the block returns is still seen, at the op that ran under it."""
+    idx = torch.arange(4)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        torch.set_default_dtype(torch.float64)
+        try:
+            s = idx * 0.1  # float64 here
+        finally:
+            torch.set_default_dtype(torch.float32)
+        return (x * s.exp()).sin()
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    expected = _grads(block, x, [])
+    with ckptfx.recompute_handle_collector_ctx() as handles:
+        torch.manual_seed(0)
+        out = ckptfx.remat(block)(x)
+    assert not handles[0].frame.rerun.__self__.replayable
+    assert_bitwise([out, *torch.autograd.grad(out.square().sum(), [x])], expected)
+
+
+@pytest.mark.parametrize("variant", ["checkpoint", "remat_later_call", "remat_not_replayable"])
+def test_function_rerun_runs_under_the_forward_default_dtype(variant: str) -> None:
+    """The replays that re-run the Python function restore the forward's default dtype as
+    the recorded replay does (torch's checkpoint computes other gradients here)."""
+    idx = torch.arange(4)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        if variant == "remat_not_replayable":
+            x.detach().numpy()  # its memory escapes: the block is re-run
+        return torch.tanh(x * (idx * 0.1).to(torch.float64))
+
+    rematted = ckptfx.remat(block)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    torch.set_default_dtype(torch.float64)
+    try:
+        expected = _grads(block, x, [])
+        if variant == "remat_later_call":
+            rematted(x)  # the first call, recorded; the next one runs unrecorded
+        torch.manual_seed(0)
+        out = (ckptfx.checkpoint(block, x) if variant == "checkpoint" else rematted(x))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert_bitwise([out, *torch.autograd.grad(out.square().sum(), [x])], expected)
+
+
+@pytest.mark.parametrize("policy", ["nothing", "dots"])
+def test_block_that_writes_state_and_then_reads_it_refuses_to_rerun(policy: str) -> None:
+    """A counter the block increments and then reads: a re-run would increment it again and
+    read that (torch's checkpoint silently computes other gradients)."""
+    scale = torch.ones(4)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        scale.add_(1)
+        return torch.tanh(x @ w * scale)
+
+    x = torch.randn(3, 4, requires_grad=True)
+    out = ckptfx.remat(block, policy=POLICIES[policy])(x)
+    with pytest.raises(ckptfx.CheckpointError, match="that it also writes in place"):
+        out.square().sum().backward()
+    assert x.grad is None and w.grad is None

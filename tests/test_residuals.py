@@ -269,3 +269,32 @@ def test_report_warns_about_policy_names_that_match_nothing() -> None:
     for report in (ckptfx.saved_residuals, ckptfx.print_saved_residuals):
         with pytest.warns(ckptfx.UnusedNameWarning, match=r"names \['attn'\]"):
             report(rematted, x)
+
+
+def test_keyword_arguments_bound_in_a_partial_are_named_as_arguments() -> None:
+    """Hugging Face's layers checkpoint ``functools.partial(forward, self, **kwargs)``: a
+    tensor passed by keyword (the rotary ``position_embeddings``) is an argument, not "a
+    tensor from outside"."""
+    import functools
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, *, position_embeddings: tuple) -> torch.Tensor:
+            cos, sin = position_embeddings
+            return self.proj(x) * cos + x * sin
+
+        def __call__(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            return ckptfx.checkpoint(functools.partial(type(self).forward, self, **kwargs), x,
+                                     policy=ckptfx.checkpoint_policies.dots_saveable)
+
+    layer = Layer()
+    pe = (torch.randn(2, 4), torch.randn(2, 4))
+    residuals = ckptfx.saved_residuals(layer, torch.randn(2, 4, requires_grad=True),
+                                       position_embeddings=pe)
+    sources = {r.source for r in residuals if r.kind == "argument"}
+    assert {"from the argument position_embeddings[0]",
+            "from the argument position_embeddings[1]"} <= sources
+    assert not any("a global?" in s for s in sources)

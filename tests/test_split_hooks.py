@@ -300,3 +300,30 @@ def test_grad_split_sees_hooks_as_plain_autograd(variant: str, mode: str,
     assert_bitwise([dx, *grads.values()], ref)
     assert_bitwise([seen["h"].grad], [ref_h])
     assert_bitwise(seen["calls"], ref_calls)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_post_accumulate_grad_hooks_fire_once_with_the_gradient(variant: str, mode: str,
+                                                                device: torch.device) -> None:
+    """``register_post_accumulate_grad_hook`` (an optimizer step in the backward) runs once
+    per parameter after dw wrote ``.grad``, seeing what a fused ``backward()`` leaves."""
+    net = _Net(device, variant)
+    x, c = _inputs(device)
+    params = net.params()
+    seen: dict[str, dict[int, list[torch.Tensor]]] = {"plain": {}, "split": {}}
+    which = ["plain"]
+    handles = [p.register_post_accumulate_grad_hook(
+        lambda p, i=i: seen[which[0]].setdefault(i, []).append(p.grad.clone()))
+        for i, p in enumerate(params)]
+    xr = x.clone().requires_grad_()
+    net(xr, lambda a, h: None, ck=False).backward(c)
+    for p in params:
+        p.grad = None
+    which[0] = "split"
+    _split(net, x, c, lambda a, h: None)
+    for h in handles:
+        h.remove()
+    assert sorted(seen["split"]) == sorted(seen["plain"]) == list(range(len(params)))
+    for i in range(len(params)):
+        assert len(seen["split"][i]) == len(seen["plain"][i]) == 1
+        assert_bitwise(seen["split"][i], seen["plain"][i])

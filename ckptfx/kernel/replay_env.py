@@ -9,7 +9,11 @@ Captured once per forward call and restored around each replay:
   tracer and its torch.func path do; ``ckptfx.checkpoint``, like torch's checkpoint, cannot);
 - CPU and accelerator autocast (enabled, dtype, cache), so a replay run outside autocast
   still computes in the forward's dtype;
-- the ``torch.device(...)`` context the forward ran under.
+- the ``torch.device(...)`` context the forward ran under;
+- the default dtype, which ATen reads inside ops (``linspace``, ``randn``, a Python float
+  times an integer tensor): a backward run under another default still replays the
+  forward's numbers (torch's checkpoint raises "different metadata", or, where the result is
+  cast back, gives other gradients).
 
 The caller's generator states are put back after the replay: a backward or a prefire never
 moves the user's RNG. Device code goes through torch's device-module API, so CUDA, NPU and
@@ -54,7 +58,7 @@ class ReplayEnv:
     """RNG, autocast and device context of one forward call, restorable for its replays."""
 
     __slots__ = ("cpu_rng", "device_type", "device_rng", "cpu_autocast", "device_autocast",
-                 "device_ctx", "generators")
+                 "device_ctx", "generators", "default_dtype")
 
     def __init__(self, tensors: Iterable[Any], preserve_rng_state: bool) -> None:
         device_type = None
@@ -84,6 +88,7 @@ class ReplayEnv:
         )
         self.device_ctx = _compat.device_context_mode() if _compat.function_mode_count() else None
         self.generators: dict[torch.Generator, torch.Tensor] = {}
+        self.default_dtype = torch.get_default_dtype()
 
     def note_generator(self, generator: torch.Generator) -> None:
         """Record ``generator``'s state if this is the block's first draw from it (call it
@@ -92,7 +97,8 @@ class ReplayEnv:
             self.generators[generator] = generator.get_state()
 
     def restored(self) -> "_Restored":
-        """Run the body as the forward ran: its RNG, autocast and device context.
+        """Run the body as the forward ran: its RNG, autocast, device context and default
+        dtype.
 
         The caller's generator states are saved first and put back on exit, also when the
         body raises. Autocast is entered only where the current state differs.
@@ -119,7 +125,7 @@ class ReplayEnv:
             for g, state in self.generators.items():
                 g.set_state(state)
         saved = (saved_cpu, saved_dev, saved_gens, _NO_CONTEXTS)
-        contexts = []
+        contexts: list[Any] = []
         if _autocast_state("cpu") != self.cpu_autocast:
             enabled, dtype, cache = self.cpu_autocast
             contexts.append(torch.amp.autocast("cpu", enabled=enabled, dtype=dtype,
@@ -131,6 +137,8 @@ class ReplayEnv:
                                                dtype=dtype, cache_enabled=cache))
         if self.device_ctx is not None:
             contexts.append(self.device_ctx)
+        if torch.get_default_dtype() is not self.default_dtype:
+            contexts.append(DefaultDtype(self.default_dtype))
         if not contexts:  # the common case: RNG only
             return saved
         entered = []
@@ -158,6 +166,22 @@ class ReplayEnv:
                 mod.set_rng_state(state, i)
             for g, state in saved_gens:
                 g.set_state(state)
+
+
+class DefaultDtype:
+    """Run the body under default dtype ``dtype``, and put the caller's back after."""
+
+    __slots__ = ("dtype", "caller")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __enter__(self) -> None:
+        self.caller = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_default_dtype(self.caller)
 
 
 def _exit_all(contexts: list[Any], exc: tuple[Any, ...]) -> None:

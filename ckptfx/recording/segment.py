@@ -93,9 +93,6 @@ class Segment:
         # (a prefire on the caller's thread of a block on another device).
         self.rng_devices: set[int] = set()
         self.subclass = False  # a tensor subclass reached the recorder
-        # The default dtype the forward ran under: ATen resolves it inside factory ops
-        # (``linspace``, ``randn``), so the replay runs under it too (Rule 3c).
-        self.default_dtype = torch.get_default_dtype()
         self.last_plan: int = 0
         # Values the policy keeps because the replay (not autograd) reads them (packs.py Rule
         # 2b): single-use ones (the policy permitted the keep) and, for the graph's life, those
@@ -182,7 +179,7 @@ class Segment:
         release = self._release_after(plan, targets, available)
         with _ReplayGuard(frame.env.device_type, frame.env.generators,
                           {*(i for i, _ in frame.env.device_rng), *self.rng_devices},
-                          self.default_dtype):
+                          frame.env.default_dtype):
             for k, i in enumerate(plan):
                 op = self.ops[i]
                 leaves = list(op.leaves)
@@ -226,10 +223,10 @@ class Segment:
         func, t = self.reread  # type: ignore[misc]
         name = getattr(frame.fn, "__qualname__", None) or type(frame.fn).__name__
         raise CheckpointError(
-            f"ckptfx.remat: {name} read a tensor from outside its arguments "
-            f"({describe_value(t)}) and then wrote it in place ({func}); its recomputation "
-            "would read the value the forward left there, not the one it read, and compute "
-            "other gradients. (A parametrization that updates its state in the forward, such "
+            f"ckptfx.remat: {name} reads a tensor from outside its arguments "
+            f"({describe_value(t)}) that it also writes in place ({func}); its recomputation "
+            "would read the value the forward (or the recomputation itself) left there, not "
+            "the one the forward read, and compute other gradients. (A parametrization that updates its state in the forward, such "
             "as spectral_norm's power iteration, does this.) Keep everything this block "
             "saves (policy=everything_saveable), make the state change before the block "
             "and pass the result in, or do not checkpoint it."
@@ -411,8 +408,9 @@ def _set_rng(states: tuple[Any, ...]) -> None:
 
 
 class _ReplayGuard:
-    """Nothing recorded by autograd, no autocast (ops were recorded after it), the caller's RNG put back: the
-    global generators' and the explicit ``generators`` the block drew from."""
+    """Nothing recorded by autograd, no autocast (ops were recorded after it), the forward's
+    default dtype; the caller's RNG put back after: the global generators' and the explicit
+    ``generators`` the block drew from. Entering changes nothing if it raises."""
 
     def __init__(self, device_type: str | None, generators: Any = (),
                  device_indices: Any = (), default_dtype: torch.dtype | None = None) -> None:
@@ -422,21 +420,9 @@ class _ReplayGuard:
         self.default_dtype = default_dtype
 
     def __enter__(self) -> None:
-        # Grad mode on, as in the forward, but below autograd, so nothing is recorded: a few
-        # kernels return more under grad mode (the oneDNN LSTM layer's workspace, which its
-        # backward reads).
+        # What to put back, read before anything changes.
         self.grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(True)
-        self.below_autograd = _compat.below_autograd()
-        self.below_autograd.__enter__()
         self.caller_dtype = torch.get_default_dtype()
-        if self.default_dtype is not None and self.default_dtype != self.caller_dtype:
-            torch.set_default_dtype(self.default_dtype)
-        self.autocast = [torch.autocast("cpu", enabled=False)]
-        if self.device_type is not None and torch.amp.is_autocast_available(self.device_type):
-            self.autocast.append(torch.autocast(self.device_type, enabled=False))
-        for a in self.autocast:
-            a.__enter__()
         self.cpu_rng = torch.get_rng_state()
         self.gen_states = [(g, g.get_state()) for g in self.generators]
         self.dev_rng: list[tuple[Any, int, torch.Tensor]] = []
@@ -445,6 +431,26 @@ class _ReplayGuard:
             if mod.is_initialized():
                 indices = {mod.current_device(), *self.device_indices}
                 self.dev_rng = [(mod, i, mod.get_rng_state(i)) for i in indices]
+        self.autocast = [torch.autocast("cpu", enabled=False)]
+        if self.device_type is not None and torch.amp.is_autocast_available(self.device_type):
+            self.autocast.append(torch.autocast(self.device_type, enabled=False))
+        # Grad mode on, as in the forward, but below autograd, so nothing is recorded: a few
+        # kernels return more under grad mode (the oneDNN LSTM layer's workspace, which its
+        # backward reads).
+        self.entered: list[Any] = []
+        try:
+            self.below_autograd = _compat.below_autograd()
+            self.below_autograd.__enter__()
+            self.entered.append(self.below_autograd)
+            torch.set_grad_enabled(True)
+            if self.default_dtype is not None and self.default_dtype is not self.caller_dtype:
+                torch.set_default_dtype(self.default_dtype)
+            for a in self.autocast:
+                a.__enter__()
+                self.entered.append(a)
+        except BaseException:
+            self._put_back()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         torch.set_rng_state(self.cpu_rng)
@@ -452,9 +458,11 @@ class _ReplayGuard:
             g.set_state(state)
         for mod, i, state in self.dev_rng:
             mod.set_rng_state(state, i)
-        for a in reversed(self.autocast):
-            a.__exit__(None, None, None)
-        if torch.get_default_dtype() != self.caller_dtype:
+        self._put_back()
+
+    def _put_back(self) -> None:
+        for ctx in reversed(self.entered):
+            ctx.__exit__(None, None, None)
+        if torch.get_default_dtype() is not self.caller_dtype:
             torch.set_default_dtype(self.caller_dtype)
-        self.below_autograd.__exit__(None, None, None)
         torch.set_grad_enabled(self.grad)

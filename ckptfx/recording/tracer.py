@@ -26,17 +26,19 @@ segment.py's)
    a ``set_`` alias, and a default dtype changed inside the block also make it not
    replayable.
 
-   4b. A block that reads a tensor from outside and then writes it in place (spectral
-   norm's power-iteration vectors) cannot be re-run: the re-run would read what the
-   forward left. Its replay, where it would re-run the function, is a ``CheckpointError``
+   4b. A block that reads a tensor from outside and writes it in place (spectral norm's
+   power-iteration vectors, read and then written; a counter written and then read) cannot
+   be re-run: the re-run would read what the forward left, or its own second write. Its replay, where it would re-run the function, is a ``CheckpointError``
    (torch's checkpoint silently computes other gradients). A write that only the writing
    op read (a BatchNorm's running statistics) is fine: the re-run updates them again, as
    torch's does.
 
    4c. An enclosing frame (a ``ckptfx.checkpoint`` around this block) cannot see the
    block's ops: the explicit generators the block draws from are noted in its replay
-   environment too, so its re-run starts them where the forward did and leaves the caller's
-   states as they were (an early-stopped re-run would otherwise leave them half-drawn).
+   environment too, so its re-run starts them where this block's first draw found them and
+   leaves the caller's states as they were (an early-stopped re-run would otherwise leave
+   them half-drawn). Draws the enclosing block itself made from them first are its own,
+   under torch's contract: not restored.
 
 5. Generator state is checked, not assumed: a random op's generators are compared with the
    state the last draw from them left (or, for the block's first draw, the state the frame
@@ -111,6 +113,7 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         self.decision: list[Any] = []      # slot -> True / MUST_SAVE (keep), False, Offload
         self.root: list[int] = []          # slot -> input/outside slot it views, or -1
         self.escapes = EscapeWatch(frame, seg, self.attr, self.root)
+        self.outside_written: dict[int, tuple[Any, torch.Tensor]] = {}  # base -> first write
         self.ids: dict[int, int] = {}      # id of input/outside tensor -> slot
         self.uninit: set[int] = set()      # base slots from torch.empty not yet written
         self.packed_bases: set[int] = set()
@@ -126,6 +129,7 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         self.held: dict[tuple[int, int], tuple[torch.Tensor, int, Any]] = {}
         self.pinned = frame.env.device_type is not None
         self.draws = Draws(frame.env, seg)  # what each random op replays from (Rule 5)
+        self.default_dtype = frame.env.default_dtype  # read at every op (Rule 4)
         # The replay environment of the frame this block is nested in, if any: a re-run of
         # that frame runs this block's draws too, so it restores their generators, and puts
         # the caller's back after (Rule 4c).
@@ -138,13 +142,14 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
                 self.ids[id(t)] = self._new_slot(-1, None, root=True)
             seg.input_slots.append(self.ids[id(t)])
 
-    def _read_before(self, base: int, index: int) -> bool:
-        """True if an op before op ``index`` that did not write it read the argument or outside
-        tensor ``base`` (or a view of it): a re-run of the block would read it as the block
-        left it (Rule 4b). Asked only when the block writes such a tensor, which is rare."""
+    def _read_before(self, base: int, index: int | None) -> bool:
+        """True if an op before op ``index`` (all ops: None) that did not write it read the
+        argument or outside tensor ``base`` (or a view of it): a re-run of the block would
+        read it as the block left it (Rule 4b). Asked only where the block writes such a
+        tensor, which is rare."""
         seg = self.seg
         writers = set(seg.writers.get(base, ()))
-        for i in range(index):
+        for i in range(len(seg.ops) if index is None else index):
             op = seg.ops[i]
             if i in writers or _op_info(op.func).view:  # a view reads no values
                 continue
@@ -243,7 +248,7 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
                     device = a.device
         if _graph_task_id() != -1:
             seg.not_replayable("autograd ran inside the block")
-        if info.dtype_default and torch.get_default_dtype() != seg.default_dtype:
+        if torch.get_default_dtype() is not self.default_dtype:  # Rule 4
             seg.not_replayable(f"{func} ran under another default dtype than the block began with")
         rng = keys = before = None
         if info.seeded:  # only random ops take a generator (some positionally)
@@ -289,6 +294,8 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
                                            "outside tensor")
                         if seg.reread is None and self._read_before(base, index):
                             seg.reread = (func, t)
+                        elif base in seg.outside:  # a read after it counts too: at finish
+                            self.outside_written.setdefault(base, (func, t))
                     if base in self.packed_bases:
                         seg.not_replayable(f"{func} writes in place to a value autograd saved")
         if own:
@@ -360,12 +367,16 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
             self.dist_log.settle()
         self.recent = []
         self.draws.after = {}  # generator states: needed only while recording
+        for base, write in self.outside_written.items():  # Rule 4b, reads after the write
+            if self.seg.reread is None and self._read_before(base, None):
+                self.seg.reread = write
+        self.outside_written = {}
         # A replay checks that nothing outside the block moved since the block returned (its
         # own writes to a tensor from outside already make it re-run the function).
         outside = self.seg.outside
         for slot, (t, _) in outside.items():
             outside[slot] = (t, outside_version(t))
-        if torch.get_default_dtype() != self.seg.default_dtype:
+        if torch.get_default_dtype() is not self.frame.env.default_dtype:
             self.seg.not_replayable("the default dtype changed inside the block")
         self._keep_what_the_replay_reads()
         self.frame.rerun = self.seg.replay

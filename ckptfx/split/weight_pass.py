@@ -140,7 +140,8 @@ def storage_ptrs(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def accumulate(p: torch.Tensor, g: torch.Tensor, shared: set[int]) -> None:
-    """Add ``g`` to ``p.grad`` as ``backward()``'s ``AccumulateGrad`` would (Rule 2).
+    """Add ``g`` to ``p.grad`` as ``backward()``'s ``AccumulateGrad`` would (Rule 2), post-
+    accumulate-grad hooks included.
 
     ``shared`` holds the data pointers of tensors the caller may hold (cotangents, dx's
     results, captured gradients; ``UNKNOWN`` for one whose memory could not be read); a first
@@ -152,6 +153,7 @@ def accumulate(p: torch.Tensor, g: torch.Tensor, shared: set[int]) -> None:
             p.grad = g + p.grad  # a sparse .grad cannot hold a dense sum in place
         else:
             p.grad += g
+        _post_accumulate_hooks(p)
         return
     ptrs = storage_ptrs(g)
     aliased = ptrs is None or UNKNOWN in shared or any(q in shared for q in ptrs)
@@ -168,3 +170,13 @@ def accumulate(p: torch.Tensor, g: torch.Tensor, shared: set[int]) -> None:
         new = g
     p.grad = new
     shared.update(storage_ptrs(new) or ())
+    _post_accumulate_hooks(p)
+
+
+def _post_accumulate_hooks(p: torch.Tensor) -> None:
+    """What ``AccumulateGrad`` runs after writing ``.grad``: the parameter's
+    ``register_post_accumulate_grad_hook`` hooks (optimizer-in-backward steps), in order."""
+    hooks = p._post_accumulate_grad_hooks
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(p)

@@ -30,6 +30,7 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <torch/csrc/Generator.h>
@@ -74,7 +75,11 @@ void delete_block(void* ctx) {
   delete block;
 }
 
-struct FakeAllocator final : c10::Allocator {
+// A DeviceAllocator, as CUDA's and NPU's are, so that torch.accelerator's memory API
+// (empty_cache, memory_allocated, max_memory_allocated, reset_peak_memory_stats) works on
+// it as libraries call it (accelerate empties the cache between steps). There is no cache:
+// emptyCache has nothing to release, and reserved bytes are the allocated ones.
+struct FakeAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex device = current_device;
     void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
@@ -89,9 +94,26 @@ struct FakeAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, size_t count) const override {
     default_copy_data(dest, src, count);
   }
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t /*mempool_id*/) override {}
+  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    auto& all = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+    all.current = allocated_bytes[device].load();
+    all.peak = peak_bytes[device].load();
+    stats.reserved_bytes[0] = stats.active_bytes[0] = stats.requested_bytes[0] = all;
+    return stats;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex /*device*/) override {}
+  void resetPeakStats(c10::DeviceIndex device) override {
+    peak_bytes[device] = allocated_bytes[device].load();
+  }
 };
 
 FakeAllocator device_allocator;
+// The device type's allocator for torch (c10::GetAllocator, which torch.accelerator reads).
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &device_allocator);
 
 // Pinned host memory: ordinary host memory whose blocks are listed, so is_pinned() can answer.
 std::mutex pinned_mutex;
