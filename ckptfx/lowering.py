@@ -52,6 +52,11 @@ Rules
 7. Under compile remat does not check unused policy names (``UnusedNameWarning`` is an
    eager check: the first eager forward of the block makes it) and ``early_stop`` has no
    effect (torch's compiled checkpoint replays the graph the partitioner chose).
+8. A recomputation that runs other ops than its forward (a Hugging Face decoder layer given
+   its KV cache appends to it again) fails in torch's selective-checkpoint mode with an
+   error that names neither cause nor fix; where the op runs eagerly (a graph break inside
+   the block, as transformers' ``kernels`` layers make) it is re-raised as a
+   ``CheckpointError`` that names the cache and the fix (``_MismatchNamed``).
 """
 
 from __future__ import annotations
@@ -319,9 +324,42 @@ def _contexts(inner: Callable[[], tuple[Any, Any]], replay_rng: bool) -> tuple[A
     op runs eagerly (dynamo's eager backend; at run time, so nothing is being compiled),
     the forward's random numbers in the recomputation (Rule 1b)."""
     forward, recompute = inner()
-    if replay_rng and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # compiled: torch takes dispatch modes only
+        return forward, recompute
+    if replay_rng:
         recompute = _SameRandomNumbers(recompute)
-    return forward, recompute
+    return forward, _MismatchNamed(recompute)
+
+
+class _MismatchNamed:
+    """Rule 8: a recomputation that ran other ops than its forward fails in torch's
+    selective-checkpoint mode with "... encountered during backward but not found in
+    storage"; re-raised as a ``CheckpointError`` that names the usual cause and the fix."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __enter__(self) -> Any:
+        return self.inner.__enter__()
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> Any:
+        suppressed = self.inner.__exit__(kind, err, tb)
+        if (not suppressed and isinstance(err, RuntimeError)
+                and "encountered during backward but not found in storage" in str(err)):
+            raise CheckpointError(
+                "ckptfx: the recomputation of a block checkpointed inside torch.compile (a "
+                "remat'd block or ckptfx.checkpoint, which become torch's checkpoint op "
+                f"there) ran other ops than its forward ({err}). A Hugging Face decoder "
+                "layer given its KV cache does this (use_cache on: the replay appends to the "
+                "cache again): train with use_cache=False (model(..., use_cache=False), or "
+                "model.config.use_cache = False), or checkpoint the layers with "
+                "ckptfx.apply_activation_checkpointing(model, policy=...), which drops the "
+                "cache in training as Hugging Face's own checkpointing does. Otherwise the "
+                "block reads state that changed between its forward and its backward."
+            ) from err
+        return suppressed
 
 
 def context_fn(policy: Any) -> Callable[[], tuple[Any, Any]]:

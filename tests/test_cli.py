@@ -9,7 +9,7 @@ import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -366,3 +366,37 @@ def test_bench_ratio_figure_is_the_median_of_paired_rounds() -> None:
     assert round(medians, 9) == 2.4  # the ratio of medians: the drift, not the code
     assert fmt((figure, q1, q3, medians)) == (
         "1.200x (per-round IQR 1.200-1.200; medians' ratio 2.400)")
+
+
+def test_bench_plot_labels_of_close_variants_do_not_overlap() -> None:
+    """ckptfx's and torch's checkpoint land on nearly the same point of the memory-time
+    plot: their labels are placed apart, not printed on top of each other."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ckptfx.bench import plot
+
+    def row(label: str, family: str, ms: float, mib: float) -> dict[str, Any]:
+        return {"label": label, "family": family, "step_s": ms / 1e3,
+                "peak_bytes": mib * plot.MIB}
+
+    results = {"variants": [row("none", "none", 10.0, 100.0),
+                            row("torch checkpoint", "torch", 14.0, 42.0),
+                            row("ckptfx.checkpoint", "ckptfx", 14.05, 42.1),
+                            row("remat(nothing_saveable)", "remat", 14.1, 42.0),
+                            row("remat(dots_saveable)", "remat", 12.0, 60.0)],
+               "config": {"layers": 2, "dim": 64, "batch": 2, "seq": 16, "device": "cpu"},
+               "date": "today"}
+    fig, ax, labels = plot.memory_figure(plt, results)
+    try:
+        renderer = fig.canvas.get_renderer()
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        assert len(boxes) == 5
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b)
+    finally:
+        plt.close(fig)

@@ -819,3 +819,21 @@ def test_hf_enable_every_n_layers_and_refusals_with_ckptfx_applied() -> None:
             model.activation_checkpointing_enable(**kwargs)
         assert all(f is not None and f.func is ckptfx.checkpoint  # unchanged
                    for f in _checkpointed_by(model))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_remat_hf_layer_under_compile_with_its_kv_cache_names_the_cache_and_the_fix() -> None:
+    """A remat'd decoder layer given its KV cache (use_cache on, the model's default) under
+    torch.compile: torch's checkpoint op replays the cache's append and fails in the
+    backward; the error names the cache and use_cache=False (lowering.py Rule 8)."""
+    model = _hf_model("llama")
+    for layer in find_blocks(model):
+        layer.forward = ckptfx.remat(layer.forward, policy=cp.dots_saveable)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    try:
+        loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
+        with pytest.raises(ckptfx.CheckpointError, match="use_cache=False"):
+            loss.backward()
+    finally:
+        torch._dynamo.reset()
