@@ -33,15 +33,22 @@ def _dropout_block(w: torch.Tensor) -> Counted:
     return Counted(lambda x: F.dropout((x * w).sin(), 0.5, training=True).exp())
 
 
-@pytest.mark.parametrize("variant", CHECKPOINTED)
-def test_retain_graph_replays_each_backward(variant: str) -> None:
+def _dropout_case() -> tuple[torch.Tensor, torch.Tensor, Counted, tuple[torch.Tensor, ...]]:
+    """A weight, an input, a counted dropout block of them and its plain gradients (not
+    counted), with the RNG put back where the plain run started it."""
     torch.manual_seed(0)
     w = torch.randn(8, requires_grad=True)
     x = torch.randn(4, 8, requires_grad=True)
     block = _dropout_block(w)
     state = torch.get_rng_state()
-    expected = torch.autograd.grad(block.fn(x).sum(), [x, w])  # not counted
+    expected = torch.autograd.grad(block.fn(x).sum(), [x, w])
     torch.set_rng_state(state)
+    return w, x, block, expected
+
+
+@pytest.mark.parametrize("variant", CHECKPOINTED)
+def test_retain_graph_replays_each_backward(variant: str) -> None:
+    w, x, block, expected = _dropout_case()
     loss = run_variant(variant, block, x).sum()
     assert block.calls == 1
     for n in (2, 3, 4):
@@ -111,13 +118,7 @@ def test_global_debug_switch_leaves_gradients_and_replays_unchanged(variant: str
     """Under torch's set_checkpoint_debug_enabled, which turns ckptfx's debug on or off as it
     does torch's, a block that replays faithfully gives the same gradients, bit for bit,
     with one replay: debug only records ops for an error message."""
-    torch.manual_seed(0)
-    w = torch.randn(8, requires_grad=True)
-    x = torch.randn(4, 8, requires_grad=True)
-    block = _dropout_block(w)
-    state = torch.get_rng_state()
-    expected = torch.autograd.grad(block.fn(x).sum(), [x, w])
-    torch.set_rng_state(state)
+    w, x, block, expected = _dropout_case()
     with torch_checkpoint.set_checkpoint_debug_enabled(switch):
         loss = run_variant(variant, block, x).sum()
     assert_bitwise(torch.autograd.grad(loss, [x, w]), expected)
@@ -127,13 +128,7 @@ def test_global_debug_switch_leaves_gradients_and_replays_unchanged(variant: str
 def test_rng_moved_between_forward_and_backward() -> None:
     # The replay uses the forward's RNG state, whatever the caller drew since; the caller's
     # state after the backward is what it was before it.
-    torch.manual_seed(0)
-    w = torch.randn(8, requires_grad=True)
-    x = torch.randn(4, 8, requires_grad=True)
-    block = _dropout_block(w)
-    state = torch.get_rng_state()
-    expected = torch.autograd.grad(block.fn(x).sum(), [x, w])
-    torch.set_rng_state(state)
+    w, x, block, expected = _dropout_case()
     loss = ckptfx.checkpoint(block, x).sum()
     torch.randn(100)  # the caller moves on
     before = torch.get_rng_state()

@@ -124,9 +124,7 @@ class KeepMode(_compat.TorchDispatchMode):
         kwargs = kwargs or {}
         info = _op_info(func)
         if info.seeded:  # explicit generators: the replay starts them where the block did
-            for g in (*args, kwargs.get("generator")):
-                if isinstance(g, torch.Generator):
-                    self.block.env.note_generator(g)  # type: ignore[union-attr]
+            self.block.env.note_generators_of(args, kwargs)  # type: ignore[union-attr]
         policy = self.block.policy
         sources = self.sources.of(args, kwargs) if policy is not None else ()
         out = func(*args, **kwargs)

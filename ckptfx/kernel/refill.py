@@ -353,9 +353,7 @@ class NoteExplicitDraws(_compat.TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if op_info(func).seeded:
-            for g in (*args, kwargs.get("generator")):
-                if isinstance(g, torch.Generator):
-                    self.env.note_generator(g)
+            self.env.note_generators_of(args, kwargs)
         return func(*args, **kwargs)
 
 

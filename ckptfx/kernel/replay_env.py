@@ -96,6 +96,13 @@ class ReplayEnv:
         if generator not in self.generators:
             self.generators[generator] = generator.get_state()
 
+    def note_generators_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``note_generator`` for each explicit generator a random op is given (positionally,
+        or as ``generator=``)."""
+        for g in (*args, kwargs.get("generator")):
+            if isinstance(g, torch.Generator):
+                self.note_generator(g)
+
     def restored(self) -> "_Restored":
         """Run the body as the forward ran: its RNG, autocast, device context and default
         dtype.
@@ -169,7 +176,8 @@ class ReplayEnv:
 
 
 class DefaultDtype:
-    """Run the body under default dtype ``dtype``, and put the caller's back after."""
+    """Run the body under default dtype ``dtype``, and put the caller's back after (a
+    function re-run's, and the recorded replay's: segment.py's ``_ReplayGuard``)."""
 
     __slots__ = ("dtype", "caller")
 

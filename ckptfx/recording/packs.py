@@ -145,7 +145,7 @@ class PackSide:
             return
         if t.is_inference():
             # Made under torch.inference_mode: autograd never saves it and it has no version
-            # counter to check a kept copy by, so the replay recomputes it (grad is off there).
+            # counter to check a kept copy by, so the replay recomputes it.
             self.decision[slot] = False
             return
         # The tensor itself, not a detach made here: below autograd a detach gets its own

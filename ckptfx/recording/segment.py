@@ -44,6 +44,7 @@ from ckptfx import _compat
 from ckptfx._ops import op_info as _op_info
 from ckptfx.kernel.frame import CheckpointError, Frame, Replay
 from ckptfx.kernel.function_replay import rerun_function
+from ckptfx.kernel.replay_env import DefaultDtype
 
 __all__ = ["Segment", "check_outside", "outside_version"]
 
@@ -422,7 +423,6 @@ class _ReplayGuard:
     def __enter__(self) -> None:
         # What to put back, read before anything changes.
         self.grad = torch.is_grad_enabled()
-        self.caller_dtype = torch.get_default_dtype()
         self.cpu_rng = torch.get_rng_state()
         self.gen_states = [(g, g.get_state()) for g in self.generators]
         self.dev_rng: list[tuple[Any, int, torch.Tensor]] = []
@@ -443,8 +443,11 @@ class _ReplayGuard:
             self.below_autograd.__enter__()
             self.entered.append(self.below_autograd)
             torch.set_grad_enabled(True)
-            if self.default_dtype is not None and self.default_dtype is not self.caller_dtype:
-                torch.set_default_dtype(self.default_dtype)
+            if (self.default_dtype is not None
+                    and self.default_dtype is not torch.get_default_dtype()):
+                dtype = DefaultDtype(self.default_dtype)
+                dtype.__enter__()
+                self.entered.append(dtype)
             for a in self.autocast:
                 a.__enter__()
                 self.entered.append(a)
@@ -463,6 +466,4 @@ class _ReplayGuard:
     def _put_back(self) -> None:
         for ctx in reversed(self.entered):
             ctx.__exit__(None, None, None)
-        if torch.get_default_dtype() is not self.caller_dtype:
-            torch.set_default_dtype(self.caller_dtype)
         torch.set_grad_enabled(self.grad)
