@@ -32,6 +32,7 @@ from ckptfx.kernel.session import (
     recompute_session_stats,
 )
 from ckptfx.lowering import CompiledBlockWarning, CompiledReplayWarning, CompileOffloadWarning
+from ckptfx.offload import OffloadPoolStats, empty_offload_pool, offload_pool_stats
 from ckptfx.policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
 from ckptfx.remat import remat
 from ckptfx.residuals import Residual, print_saved_residuals, saved_residuals
@@ -52,6 +53,7 @@ __all__ = [
     "CompiledBlockWarning",
     "CompiledReplayWarning",
     "Offload",
+    "OffloadPoolStats",
     "RecomputeHandle",
     "Residual",
     "SessionStats",
@@ -64,9 +66,11 @@ __all__ = [
     "checkpoint_sequential",
     "checkpoint_wrapper",
     "clear_recompute_session",
+    "empty_offload_pool",
     "grad_split",
     "memory_budget_policies",
     "noop_context_fn",
+    "offload_pool_stats",
     "print_saved_residuals",
     "recompute_handle",
     "recompute_handle_collector_ctx",

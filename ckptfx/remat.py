@@ -42,7 +42,7 @@ from ckptfx.policies.checks import (
 from ckptfx.policies.named import NothingSaveable, check_policy
 from ckptfx.policies.tracer_stack import reporting
 from ckptfx.recording.packs import residual_unpack_hook
-from ckptfx.recording.tracer import Tracer
+from ckptfx.recording.tracer import Tracer, finish_offload
 from ckptfx.recording.unrecorded import plan_for
 
 __all__ = ["remat"]
@@ -382,6 +382,8 @@ def _call(fun: Callable[..., Any], options: RematOptions, args: tuple[Any, ...],
     frame.forward_finished()
     if tracer is not None:
         tracer.finish()
+        if tracer.hosts:
+            finish_offload(tracer, out)
     if plan is not None:
         plan.finish(frame, tracer)
     if refill is not None:

@@ -167,6 +167,21 @@ def input_grads(run: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]
     return [x.grad for x in xs]
 
 
+def settle_device_threads() -> None:
+    """Wait until autograd's device threads have freed the graph tasks of earlier backward
+    calls. A backward returns before its device threads drop the finished task, whose state
+    carries the caller's Python objects (a session's activation, say); one more backward per
+    device, run through the engine directly, returns only after that device's thread freed
+    every earlier task. A test that checks what a finished backward let go calls this first."""
+    if ACCELERATOR is None:
+        return
+    engine = torch.autograd.Variable._execution_engine
+    for index in range(torch.accelerator.device_count()):
+        x = torch.zeros((), device=torch.device(ACCELERATOR.type, index), requires_grad=True)
+        y = x * 1
+        engine.run_backward((y,), (torch.ones_like(y),), False, False, (), False, True)
+
+
 def saved_hooks_stack_empty() -> bool:
     """True when no saved-tensor default hooks are pushed on this thread."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None

@@ -17,7 +17,10 @@ It prints, for the accelerator torch reports (``torch.accelerator``):
 4. peak device memory of one training step (the device module's ``max_memory_allocated``:
    the caching allocator's on CUDA) and the step time (median of ``--steps``), for no
    checkpoint, torch's checkpoint, ``ckptfx.checkpoint`` and ``ckptfx.remat``, with ratios
-   against no checkpoint measured in the same run.
+   against no checkpoint measured in the same run;
+5. offload (``ckptfx.bench.offload``): the step time of offloading the matmul outputs with
+   overlapped copies against keeping them on the device (target: within 5%) and with copies
+   on the compute stream, and the device bytes each holds between forward and backward.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 HERE = pathlib.Path(__file__).resolve().parent
-SUITE = ["test_device.py", "test_sessions.py", "test_sessions_threads.py", "test_split.py",
+SUITE = ["test_device.py", "test_offload.py", "test_sessions.py", "test_sessions_threads.py", "test_split.py",
          "test_split_calls.py", "test_pipelining.py", "test_refill.py", "test_remat_rng.py",
          "test_checkpoint_differential.py"]
 
@@ -174,6 +177,17 @@ def memory_and_time(device: torch.device, d: int, depth: int, tokens: int, steps
         print(f"{name:11s} {peak:9.1f} {peak / none_peak:7.3f} {ms:8.2f} {ms / none_ms:7.3f}")
 
 
+def offload(device: torch.device, d: int, depth: int, tokens: int, steps: int) -> None:
+    """The offload figure (ckptfx.bench.offload): matmul outputs kept on the device against
+    offloaded with overlapped copies (target: within 5% of the step time) and with copies on
+    the compute stream, and the device memory each holds between forward and backward."""
+    from ckptfx.bench.offload import _print, measure
+
+    seq = min(tokens, 2048)
+    print(f"\n## offload: {depth} blocks, d={d}, batch {max(1, tokens // seq)} x seq {seq}")
+    _print(measure(device, d, seq, max(1, tokens // seq), depth, steps))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fake", action="store_true", help="use the fake device (a dry run)")
@@ -206,6 +220,7 @@ def main() -> int:
     parity(device, min(args.d, 256), 2, 256)
     replay_counts(device, min(args.d, 256))
     memory_and_time(device, args.d, args.depth, args.tokens, args.steps)
+    offload(device, args.d, args.depth, args.tokens, args.steps)
     return rc
 
 

@@ -300,7 +300,7 @@ def test_vjp_split_over_remat_blocks_is_exact(policy: str | None) -> None:
 
 def test_offloaded_residuals_live_in_pinned_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     import ckptfx.recording.tracer as trace
-    from ckptfx.recording.packs import _Offloaded
+    from ckptfx.offload import HostResidual
 
     device = _device()
     p, x = _params(device), _input(device)
@@ -312,10 +312,10 @@ def test_offloaded_residuals_live_in_pinned_host_memory(monkeypatch: pytest.Monk
                         lambda self: (tracers.append(self), finish(self))[1])
     out = block(p, x)
     packed = [ref() for ref in tracers[0].seg.kept.values() if ref() is not None]
-    offloaded = [k for k in packed if isinstance(k, _Offloaded)]
+    offloaded = [k for k in packed if isinstance(k, HostResidual)]
     assert offloaded
     for k in offloaded:  # between forward and backward the residual is on the host, pinned
-        assert k.tensor.device.type == "cpu" and k.tensor.is_pinned()
+        assert k.host.device.type == "cpu" and k.host.is_pinned()
     ref = torch.autograd.grad(plain(p, x).sum(), [x, *p.values()])
     got = torch.autograd.grad(out.sum(), [x, *p.values()])
     assert all(torch.equal(a, b) for a, b in zip(ref, got))

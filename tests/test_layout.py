@@ -25,6 +25,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("ckptfx._compat", "ckptfx._ops", "ckptfx._format", "ckptfx._user_stack", "ckptfx._public")),
     (1, ("ckptfx.kernel",)),
     (2, ("ckptfx.policies",)),
+    (2, ("ckptfx.offload",)),
     (3, ("ckptfx.recording",)),
     (3, ("ckptfx.func_path",)),
     (3, ("ckptfx.lowering",)),

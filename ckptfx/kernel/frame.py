@@ -345,10 +345,10 @@ class Frame:
             self.replays[key] = tensors
         return tensors
 
-    def current_replay(self) -> tuple[Replay | None, Any]:
-        """The replay an unpack reads now, made if missing (Rule 3's keys: the session, the
-        GraphExecGroup, the GraphTask), and the session activation it reads under (or
-        None); ``(None, None)`` outside any backward."""
+    def activation(self) -> Any:
+        """The session activation this frame is read under now: the one bound to it, else the
+        one a ``recompute_session_ctx`` opened on this thread (or carried into this device
+        thread), adopted here (session.py Rule 2); None outside any session."""
         act = self.active
         if act is None:
             opened = tls.activation
@@ -356,6 +356,13 @@ class Frame:
                 opened = _carried(SESSION_KEY)
             if opened is not None:
                 act = opened.adopt(self)
+        return act
+
+    def current_replay(self) -> tuple[Replay | None, Any]:
+        """The replay an unpack reads now, made if missing (Rule 3's keys: the session, the
+        GraphExecGroup, the GraphTask), and the session activation it reads under (or
+        None); ``(None, None)`` outside any backward."""
+        act = self.activation()
         if act is not None:  # bound to a frame registered to act.session (session.py)
             replay = self.session_replay
             if replay is None:

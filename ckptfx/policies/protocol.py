@@ -44,6 +44,12 @@ class Offload:
     forward and back for the backward. ``dst`` is ``"pinned_host"`` (pinned when an
     accelerator is present) or ``"cpu"``. A policy returns one to offload an op's outputs.
 
+    The copies overlap the computation (``ckptfx.offload``): out on a side stream in the
+    forward, back ahead of the backward that reads them. ``min_bytes``: a smaller value stays
+    in device memory (its copy would cost more than it frees). ``prefetch``: when the backward
+    first reads a block's offloaded values, the values of this many blocks before it (in
+    forward order) start coming back too. On the CPU an ``Offload`` keeps the value as it is.
+
     Example::
 
         def offload_matmuls(ctx, op, *args, **kwargs):
@@ -54,8 +60,17 @@ class Offload:
 
     src: str = "device"
     dst: str = "pinned_host"
+    min_bytes: int = 1024
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("min_bytes", "prefetch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Offload: {name} must be an int >= 0, got "
+                                f"{type(value).__name__} {value!r}")
+            if value < 0:
+                raise ValueError(f"Offload: {name} must be an int >= 0, got {value!r}")
         if self.src != "device":
             raise ValueError(f"src (offload_src in the policy factories) must be 'device', "
                              f"got {self.src!r}")

@@ -40,6 +40,7 @@ import torch
 
 from ckptfx import _compat
 from ckptfx.kernel.frame import CheckpointError, Frame, Holder
+from ckptfx.offload.groups import HostGroup, HostResidual, group_for
 from ckptfx.policies.protocol import Offload
 from ckptfx.recording.segment import Segment, describe_value
 
@@ -74,26 +75,9 @@ class _Kept:
     def get(self) -> torch.Tensor:
         return _check_version(self.tensor, self.version)
 
-
-class _Offloaded:
-    """A saved tensor moved to host memory in the forward, brought back for the backward."""
-
-    __slots__ = ("tensor", "device", "version", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor, pinned: bool) -> None:
-        self.device = tensor.device
-        self.version = tensor._version
-        if tensor.device.type == "cpu":
-            self.tensor = tensor
-        else:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-            host.copy_(tensor, non_blocking=pinned)
-            self.tensor = host
-
-    def get(self) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return _check_version(self.tensor, self.version)
-        return self.tensor.to(self.device, non_blocking=True)
+    def fresh(self) -> bool:
+        """Still the value it was when kept (a single-use value rewritten is recomputed)."""
+        return self.tensor._version == self.version
 
 
 def residual_unpack_hook(packed: Any) -> torch.Tensor:
@@ -138,6 +122,7 @@ class PackSide:
     report: list[tuple[Any, ...]] | None
     held: dict[tuple[int, int], tuple[torch.Tensor, int, Any]]
     pinned: bool
+    hosts: dict[tuple[torch.device, bool], HostGroup]
     _slot: Callable[[torch.Tensor], int]
 
     def _hold(self, slot: int, t: torch.Tensor, decision: Any, written: bool = False) -> None:
@@ -232,9 +217,10 @@ class PackSide:
                     if entry[0] is self and entry[2] is x and entry[3] == slot:
                         report[k] = (*entry[:4], new[1])
                         break
-            if isinstance(packed, _Offloaded) and packed.device.type != "cpu":
-                packed.tensor.copy_(x)  # moved to the host before the op filled it
-            self.refresh.append(packed)
+            if packed.__class__ is HostResidual:
+                packed.group.refresh(x)  # copied to the host before the op filled it
+            else:
+                self.refresh.append(packed)
 
     def _refresh(self) -> None:
         # The version counter moves on after the op returns (above the dispatcher).
@@ -262,17 +248,27 @@ class PackSide:
         return cache
 
     def _packed(self, kept: torch.Tensor, x: torch.Tensor, decision: Any, slot: int,
-                version: int) -> _Kept | _Offloaded:
-        """``kept`` (a detached alias of ``x``) packed as ``decision`` says: moved to the host
-        for an ``Offload``, else held as it is; noted for the residual report under ``x``."""
-        packed: _Kept | _Offloaded
+                version: int) -> _Kept | HostResidual:
+        """``kept`` (a detached alias of ``x``) packed as ``decision`` says: copied to the host
+        for an ``Offload`` (``ckptfx.offload``), else held as it is; noted for the residual
+        report under ``x``."""
         if isinstance(decision, Offload):
-            packed = _Offloaded(kept, self.pinned and decision.dst == "pinned_host")
-            self._note("offloaded", x, slot, version)
-        else:
-            packed = _Kept(kept)
-            self._note("saved", x, slot, version)
-        return packed
+            device = kept.device
+            if device.type == "cpu":  # host memory already: kept as it is
+                self._note("offloaded", x, slot, version)
+                return _Kept(kept)
+            if kept.numel() * kept.element_size() >= decision.min_bytes:
+                pinned = self.pinned and decision.dst == "pinned_host"
+                key = (device, pinned)
+                group = group_for(self.hosts.get(key), device, pinned, self.frame,
+                                  decision.prefetch)
+                self.hosts[key] = group
+                residual = group.offload(kept)
+                if residual is not None:
+                    self._note("offloaded", x, slot, version)
+                    return residual
+        self._note("saved", x, slot, version)
+        return _Kept(kept)
 
     def _note(self, kind: str, x: torch.Tensor, slot: int, version: int) -> None:
         if self.report is not None:

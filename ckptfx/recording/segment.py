@@ -45,6 +45,7 @@ from ckptfx._ops import op_info as _op_info
 from ckptfx.kernel.frame import CheckpointError, Frame, Replay
 from ckptfx.kernel.function_replay import rerun_function
 from ckptfx.kernel.replay_env import DefaultDtype
+from ckptfx.offload.groups import HostResidual
 
 __all__ = ["Segment", "check_outside", "outside_version"]
 
@@ -99,6 +100,7 @@ class Segment:
         # 2b): single-use ones (the policy permitted the keep) and, for the graph's life, those
         # it insisted on (MUST_SAVE) or moved to the host.
         self.single_use: list[Any] = []
+        self.hosts: tuple[Any, ...] = ()  # the block's offload HostGroups (ckptfx.offload)
         self.extra: list[Any] = []
         # Ops that are collectives the policy did not ask to recompute: never replayed
         # (ckptfx.kernel.collectives Rule 2).
@@ -132,6 +134,8 @@ class Segment:
                 self._refuse_rerun(frame)
             rerun_function(frame, tensors)
             return
+        for group in self.hosts:  # the block's offloaded values come back now (ckptfx.offload)
+            group.reload_ahead()
         targets = [(pos, sv) for pos, sv in self.targets.items()
                    if frame.holders[pos]() is not None]
         if outputs is not None:
@@ -139,8 +143,9 @@ class Segment:
         if not targets:
             return
         # A single-use value rewritten in place since the forward is recomputed (packs.py Rule
-        # 2b).
-        stale = {id(k) for k in self.single_use if k.tensor._version != k.version}
+        # 2b), and so is an offloaded one (not a collective's: those are kept, never rerun).
+        stale = {id(k) for k in self.single_use if not k.fresh()}
+        stale.update(id(k) for k in self.extra if k.__class__ is HostResidual and not k.fresh())
         available: dict[tuple[int, int], Any] = {}
         for sv, ref in self.kept.items():
             kept = ref()

@@ -128,6 +128,7 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         # lets keep, held until ``finish`` picks those the replay reads (packs.py Rule 2b).
         self.held: dict[tuple[int, int], tuple[torch.Tensor, int, Any]] = {}
         self.pinned = frame.env.device_type is not None
+        self.hosts: dict[Any, Any] = {}  # (device, pinned) -> its offload HostGroup (packs.py)
         self.draws = Draws(frame.env, seg)  # what each random op replays from (Rule 5)
         self.default_dtype = frame.env.default_dtype  # read at every op (Rule 4)
         # The replay environment of the frame this block is nested in, if any: a re-run of
@@ -213,8 +214,16 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
                 v = args[i] if i < len(args) else kwargs.get(name)
                 if isinstance(v, torch.Tensor):
                     written.add(id(v))
+                    if self.hosts:  # a copy to the host may still read it (ckptfx.offload)
+                        for group in self.hosts.values():
+                            group.before_write(v)
                 elif isinstance(v, (list, tuple)):
                     written.update(id(x) for x in v if isinstance(x, torch.Tensor))
+                    if self.hosts:
+                        for group in self.hosts.values():
+                            for x in v:
+                                if isinstance(x, torch.Tensor):
+                                    group.before_write(x)
         if self.refresh:
             self._refresh()
         seq = _next_sequence_nr()
@@ -379,11 +388,20 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         if torch.get_default_dtype() is not self.frame.env.default_dtype:
             self.seg.not_replayable("the default dtype changed inside the block")
         self._keep_what_the_replay_reads()
+        self.seg.hosts = tuple(self.hosts.values())
         self.frame.rerun = self.seg.replay
         # Replayed block inputs cost no memory of their own (for recompute_session_stats).
         self.frame.shared = frozenset(pos for pos, (slot, _) in self.seg.targets.items()
                                       if self.root[slot] >= 0)
         return self.seg
+
+
+def finish_offload(tracer: Tracer, out: Any) -> None:
+    """After ``finish``: the block's offload copies that still read one of its outputs
+    (``out``, a pytree) hold the caller back until they are done (ckptfx.offload Rule 3)."""
+    outputs = [t for t in output_leaves(out) if isinstance(t, torch.Tensor)]
+    for group in tracer.hosts.values():
+        group.finish(outputs)
 
 
 def _enclosing_env() -> Any:

@@ -175,3 +175,21 @@ def _settle_device_threads() -> None:
 
 def available() -> bool:
     return _ext is not None
+
+
+@contextlib.contextmanager
+def stream_log() -> Any:
+    """Log what a real device would run asynchronously (fake_device.cpp Rule 4): copies between
+    device and host memory, event records and waits, each with its stream, in issue order. The
+    list it yields is filled when the block exits. Example::
+
+        with fake_device.stream_log() as log:
+            y = x.to("cpu", non_blocking=True)
+        assert log == [("d2h", 0, 0, x.nbytes)]
+    """
+    entries: list[tuple[str, int, int, int]] = []
+    _ext.stream_log_start()
+    try:
+        yield entries
+    finally:
+        entries.extend(_ext.stream_log_stop())

@@ -11,7 +11,8 @@
 // in-place ops and views write and read the device tensors directly, and copies only the fresh
 // outputs into device memory. Random ops draw from the device's own generator (one per
 // device, seedable, with get/set state), not from the CPU one. Streams and events are ids:
-// the device is synchronous, so every event has completed when it is recorded.
+// the device is synchronous, so every event has completed when it is recorded. What would be
+// asynchronous on a real device is logged instead (Rule 4), so a test can check the order.
 //
 // Rules
 // 1. Nothing here calls Python; the Python half (__init__.py) names the backend and
@@ -21,6 +22,11 @@
 // 3. An op whose tensors sit on two devices (a device and another device index, or a
 //    device and a CPU tensor that is not a 0-dim scalar) fails as CUDA fails: before any
 //    kernel runs.
+// 4. While the stream log is on (stream_log_start), every copy between a device and host
+//    memory, every event recorded and every wait on an event is logged with the stream it was
+//    issued on, in issue order: ("d2h" | "h2d", device, stream id, bytes), ("record", device,
+//    stream id, event id), ("wait", device, stream id, event id), and every host wait
+//    ("sync", device, stream id or -1, event id or 0). Stream 0 is the default.
 
 #include <torch/extension.h>
 
@@ -40,6 +46,8 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace fake_device {
 
@@ -204,6 +212,25 @@ thread_local std::array<c10::StreamId, kDeviceCount> current_stream{};
 std::atomic<c10::StreamId> next_stream_id{1};
 std::atomic<intptr_t> next_event_id{1};
 
+// The stream log (Rule 4).
+struct LogEntry {
+  std::string kind;
+  int device;
+  int64_t stream;
+  int64_t value;  // bytes copied, or the event id
+};
+std::mutex log_mutex;
+std::atomic<bool> log_on{false};
+std::vector<LogEntry> stream_log;
+
+void log_entry(const char* kind, c10::DeviceIndex device, int64_t stream, int64_t value) {
+  if (!log_on.load()) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(log_mutex);
+  stream_log.push_back({kind, int(device), stream, value});
+}
+
 struct FakeGuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kType; }
   c10::Device exchangeDevice(c10::Device d) const override {
@@ -244,18 +271,27 @@ struct FakeGuardImpl final : c10::impl::DeviceGuardImplInterface {
   }
   c10::DeviceIndex deviceCount() const noexcept override { return kDeviceCount; }
   // Events are ids; the device runs every op when it is called, so they complete at once.
-  void record(void** event, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex, const c10::EventFlag) const override {
     if (*event == nullptr) {
       *event = reinterpret_cast<void*>(next_event_id++);
     }
+    log_entry("record", stream.device_index(), stream.id(), reinterpret_cast<intptr_t>(*event));
   }
-  void block(void*, const c10::Stream&) const override {}
+  void block(void* event, const c10::Stream& stream) const override {
+    log_entry("wait", stream.device_index(), stream.id(), reinterpret_cast<intptr_t>(event));
+  }
   bool queryEvent(void*) const override { return true; }
   void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
   bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  void synchronizeStream(const c10::Stream& stream) const override {
+    log_entry("sync", stream.device_index(), stream.id(), 0);
+  }
+  void synchronizeEvent(void* event) const override {
+    log_entry("sync", current_device, -1, reinterpret_cast<intptr_t>(event));
+  }
+  void synchronizeDevice(const c10::DeviceIndex device) const override {
+    log_entry("sync", device, -1, 0);
+  }
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   double elapsedTime(void*, void*, const c10::DeviceIndex) const override { return 0.0; }
 };
@@ -327,6 +363,13 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
+  bool from_device = self.device().type() == kType;
+  bool to_device = dst.device().type() == kType;
+  if (from_device != to_device) {  // Rule 4: a copy a real device would make on a stream
+    c10::DeviceIndex d = from_device ? self.device().index() : dst.device().index();
+    d = checked_index(d);
+    log_entry(from_device ? "d2h" : "h2d", d, current_stream[d], int64_t(self.nbytes()));
+  }
   host_alias(dst).copy_(host_alias(self));
   return dst;
 }
@@ -662,6 +705,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   });
   module.def("max_memory_allocated", [](int index) {
     return fake_device::peak_bytes[fake_device::checked_index(static_cast<c10::DeviceIndex>(index))].load();
+  });
+  module.def("stream_log_start", [] {
+    std::lock_guard<std::mutex> lock(fake_device::log_mutex);
+    fake_device::stream_log.clear();
+    fake_device::log_on = true;
+  });
+  module.def("stream_log_stop", [] {
+    fake_device::log_on = false;
+    std::lock_guard<std::mutex> lock(fake_device::log_mutex);
+    py::list out;
+    for (const auto& e : fake_device::stream_log) {
+      out.append(py::make_tuple(e.kind, e.device, e.stream, e.value));
+    }
+    fake_device::stream_log.clear();
+    return out;
   });
   module.def("reset_peak_memory_stats", [](int index) {
     auto i = fake_device::checked_index(static_cast<c10::DeviceIndex>(index));

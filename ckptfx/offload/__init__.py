@@ -1,0 +1,67 @@
+"""Offloaded residuals: moved to host memory while the forward runs on, brought back ahead of
+the backward that reads them, on a side stream, so the copies hide under the computation.
+
+A remat policy decides *what* is offloaded (an ``Offload`` answer: JAX's offload policies,
+``save_and_offload_only_these_names``, torch SAC's ``*_CPU_OFFLOAD``, or a memory budget with
+an offload share); this package decides *how*, for the packs of ``ckptfx.recording.packs``.
+
+- ``groups.py``: a block call's offloaded residuals (``HostGroup``), the ``HostResidual`` each
+  saved tensor is packed into, the reload, the prefetch chain and session retention.
+- ``pool.py``: the host buffers, reused across steps; ``offload_pool_stats``,
+  ``empty_offload_pool``.
+- ``streams.py``: the side stream of each device; ``serialized_copies`` for benchmarks.
+
+Rules
+
+1. What is offloaded: a value the policy answers ``Offload`` for, in accelerator memory, of at
+   least ``Offload.min_bytes`` bytes. Block arguments (inputs, parameters, outside tensors and
+   views of them) never are: a block refers to them and never copies them (packs.py Rule
+   2). On the CPU an ``Offload`` keeps the value as it is (it is in host memory already).
+2. One copy per storage: saved views of one storage, at one version, in one block call share
+   one host copy of the whole storage (q, k and v split from one projection are copied once),
+   and each comes back with its own size, stride and offset, so the backward reads the layout
+   the forward saved (layout changes rounding: bitwise needs it). A value that is not just
+   its storage's bytes under its strides stays on the device: a tensor subclass (DTensor),
+   a sparse or other non-strided layout, a lazily conjugated or negated view, a quantized
+   tensor, and a view whose storage is not a whole number of its elements or is empty.
+3. Out: the copy is queued on the device's side stream (``streams.side_stream``) after that
+   stream waited for the current one; the device source is held until the copy's event has
+   completed (polled, never waited for on the host, at each later offload and when the block
+   ends), so the allocator never hands its memory to new work while the copy reads it. An op
+   of the block that writes a storage whose copy is still queued makes the current stream
+   wait for the copy first (the tracer asks ``before_write``), and so does a block output
+   whose storage is still being copied when the block returns (the caller may write it).
+4. Host buffers come from a pool per device and kind of memory (pinned for
+   ``dst="pinned_host"``), by byte size, and go back to it when their group dies: the next
+   step reuses them. Every copy in or out of one pool's buffers runs on that device's side
+   stream, in issue order, so reuse needs no host synchronisation. A buffer that cannot be
+   allocated is a ``CheckpointError`` that says what to do. ``offload_pool_stats`` reports
+   the pool; ``empty_offload_pool`` frees its cached buffers.
+5. Back: the first read of one of a block call's offloaded values (autograd unpacking a
+   residual, the replay reading a kept value, a prefire's replay) reloads every buffer of its
+   group at once: device buffers allocated on the current stream (the one that reads them),
+   the side stream waits for it, the copies, one event; each read makes the reading stream
+   wait for that event (device-side, never a host sync). The same reload issues the reloads
+   of up to ``Offload.prefetch`` groups made before it on the forward's thread and never
+   reloaded: the blocks the backward reaches next, whose copies then run under this block's
+   backward.
+6. How long a reload stays: for a frame registered to a recompute session (a prefire, a
+   ``recompute_session_ctx``, ``vjp_split``, ``ckptfx.pipelining``), until the session is
+   cleared, so dx and every dw call read one reload. Otherwise each buffer is held until every
+   residual that refers to it has been read once, then only weakly (while autograd still
+   holds the tensors it unpacked); a later read that finds it gone (a second backward with
+   ``retain_graph``) reloads that buffer.
+7. Nothing outlives the graph: a group belongs to the residuals of one block call and dies
+   with them. Its finalizer waits on the host only for a copy still running (a graph dropped
+   mid-copy), hands its host buffers back to the pool and drops its device copies.
+8. A saved tensor modified in place after it was offloaded (by the block, or a block output by
+   the caller while it still holds it) is refused when the backward reads it, with a
+   ``CheckpointError``, where autograd raises for a saved tensor modified in place; the host
+   copy would still hold the saved value, but ckptfx does not differ from torch silently.
+"""
+
+from ckptfx.offload.groups import HostGroup, HostResidual, group_for
+from ckptfx.offload.pool import OffloadPoolStats, empty_offload_pool, offload_pool_stats
+
+__all__ = ["HostGroup", "HostResidual", "OffloadPoolStats", "empty_offload_pool", "group_for",
+           "offload_pool_stats"]
