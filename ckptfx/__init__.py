@@ -32,7 +32,12 @@ from ckptfx.kernel.session import (
     recompute_session_stats,
 )
 from ckptfx.lowering import CompiledBlockWarning, CompiledReplayWarning, CompileOffloadWarning
-from ckptfx.offload import OffloadPoolStats, empty_offload_pool, offload_pool_stats
+from ckptfx.offload import (
+    OffloadPoolStats,
+    empty_offload_pool,
+    offload_in_compile,
+    offload_pool_stats,
+)
 from ckptfx.policies import Offload, UnusedNameWarning, checkpoint_name, checkpoint_policies
 from ckptfx.remat import remat
 from ckptfx.residuals import Residual, print_saved_residuals, saved_residuals
@@ -70,6 +75,7 @@ __all__ = [
     "grad_split",
     "memory_budget_policies",
     "noop_context_fn",
+    "offload_in_compile",
     "offload_pool_stats",
     "print_saved_residuals",
     "recompute_handle",

@@ -138,7 +138,7 @@ def checkpoint(
       ``determinism_check`` have nothing left to switch off. Under ``torch.compile`` it is
       lowered as a remat'd block is: torch's checkpoint op with a selective-checkpoint
       policy equivalent to ``policy`` (``checkpoint_name`` tags included; values it would
-      offload are kept on the device).
+      offload are kept on the device, unless compiled inside ``ckptfx.offload_in_compile``).
     - Inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, where saved-tensor
       hooks cannot run and torch's checkpoint fails, and ``vmap``/``jvp``), a call without
       ``policy=`` runs as ``policy=checkpoint_policies.nothing_saveable``: remat's

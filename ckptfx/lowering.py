@@ -30,10 +30,26 @@ Rules
 3. Names reach the compiled graph as the op ``ckptfx::checkpoint_name`` (policies/name_op.py); the
    compiled policy shows it to ckptfx's policies as ``checkpoint_name`` with ``name=``, as
    the eager recorder does. Foreign policies never see it (recomputed: a copy).
-4. Offload: torch's partitioner (2.13) does not move selective-checkpoint values to the
-   host, so an ``Offload`` answer is kept on the device instead (``MUST_SAVE``). For a
-   value on an accelerator that is more device memory than the policy meant, and a
-   ``CompileOffloadWarning`` says so once per process; on CPU offloading is a no-op anyway.
+4. Offload. torch (2.13) tags a compiled checkpoint's nodes with the policy's answers, and
+   its partitioner moves a saved value to the host only when its config enables offloading
+   and the node is marked ``should_offload``; nothing in torch marks a ``*_CPU_OFFLOAD``
+   tag. So ``CompiledPolicy`` answers an ``Offload`` (torch SAC's ``*_CPU_OFFLOAD`` answers
+   are one) with ``MUST_CPU_OFFLOAD`` only where ``offload_in_compile``
+   (``ckptfx.offload.compiled``) is open on the thread and torch is compiling; its
+   joint-graph pass then makes each such tag ``MUST_SAVE`` and marks it, and the
+   partitioner copies it out in the forward and back in the backward (on a side stream,
+   ``separate_stream``, or with ``device_put``). The opt-in patches torch's config with
+   torch's ``config.patch`` (restored exactly; per thread, as torch's config is) and runs
+   the user's ``joint_custom_pass`` first; a graph keeps what it was compiled with, so the
+   opt-in acts on the compilations (recompilations too) made inside it. Everywhere else an
+   ``Offload`` is ``MUST_SAVE``, kept in device memory: outside the opt-in, on dynamo's
+   ``eager`` backend (torch's eager checkpoint, run without tracing), under
+   ``Offload.min_bytes`` (as eager remat keeps it), and for what the partitioner never
+   moves (views, getitems, non-contiguous values, graph outputs). A value on an
+   accelerator kept outside the opt-in gets one ``CompileOffloadWarning`` naming it; the
+   pass warns once per kind about views, getitems and non-contiguous values. A value in
+   host memory has nowhere to go: the side stream's ops need an accelerator, so there it is
+   left as it is, and ``device_put`` to the CPU returns the tensor itself.
 5. Sessions, prefire and ``vjp_split`` share one replay between backward calls through
    ckptfx's frames; a checkpoint lowered into a compiled graph has none (its recomputation
    is part of the graph's one backward node). When dynamo lowers a ckptfx checkpoint or
@@ -78,30 +94,21 @@ from ckptfx.kernel import replay_env
 from ckptfx.kernel.forward import run_checkpointed
 from ckptfx.kernel.frame import CheckpointError, tls
 from ckptfx.kernel.handles import collecting
+from ckptfx.offload.compiled import (CompileOffloadWarning, offload_in_compile,
+                                    offloading_in_compile)
 from ckptfx.policies.name_op import NAME_OP
 from ckptfx.policies.named import NothingSaveable
 from ckptfx.policies.names import checkpoint_name
 from ckptfx.policies.protocol import Offload, Policy, call_policy, decide
 
 __all__ = ["CompileOffloadWarning", "CompiledBlockWarning", "CompiledPolicy",
-           "CompiledReplayWarning", "Lowered", "check_split_graph", "note_lowered"]
+           "CompiledReplayWarning", "Lowered", "check_split_graph", "note_lowered",
+           "offload_in_compile"]
 
 # Keyword names torch's checkpoint takes for itself: a block keyword argument with one of
 # these names is bound into the function instead of passed through.
 _CHECKPOINT_KEYWORDS = frozenset({"use_reentrant", "context_fn", "determinism_check",
                                   "debug", "preserve_rng_state", "early_stop"})
-
-
-class CompileOffloadWarning(UserWarning):
-    """A remat policy asked to offload a value to host memory inside a ``torch.compile``d
-    graph, where torch's partitioner cannot offload selective-checkpoint values: the value
-    is kept in device memory instead. Issued once per process.
-
-    Example::
-
-        import warnings
-        warnings.simplefilter("error", ckptfx.CompileOffloadWarning)  # refuse instead
-    """
 
 
 class CompiledReplayWarning(UserWarning):
@@ -229,10 +236,12 @@ def _warn_offload(op: Any) -> None:
     _offload_warned[0] = True
     warnings.warn(
         f"ckptfx.remat under torch.compile: the policy offloads the output of {op} to host "
-        "memory, which torch's compiled checkpoint cannot do; the value is kept in device "
-        "memory instead (more device memory than the policy meant). Run the block eagerly "
-        "(remat outside the compiled region: compile the parts around it) to offload it. "
-        "(Warned once per process.)",
+        "memory, which this compiled graph keeps in device memory instead (more device "
+        "memory than the policy meant): it was compiled outside "
+        "ckptfx.offload_in_compile() (or by dynamo's eager backend). Compile inside "
+        "`with ckptfx.offload_in_compile():` (around the first call, where torch "
+        "compiles; aot_eager or inductor) to have torch's partitioner move it to the host, "
+        "or run the block eagerly. (Warned once per process.)",
         CompileOffloadWarning,
         stacklevel=2,
     )
@@ -243,6 +252,18 @@ def _on_accelerator(args: tuple, kwargs: dict[str, Any]) -> bool:
         if isinstance(a, torch.Tensor) and a.device.type not in ("cpu", "meta"):
             return True
     return False
+
+
+def _below(ctx: Any, min_bytes: int) -> bool:
+    """Whether every tensor the op made (torch's context has them as ``op_output``) is
+    smaller than ``Offload.min_bytes``; a symbolic size (dynamic shapes) counts as large."""
+    outputs = getattr(ctx, "op_output", None)
+    tensors = [t for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+               if isinstance(t, torch.Tensor)]
+    if not min_bytes or not tensors:
+        return False
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    return all(isinstance(n, int) and n < min_bytes for n in sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,8 +295,13 @@ class CompiledPolicy:
             decision = decide(raw, op)
         if decision is False:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if isinstance(decision, Offload) and _on_accelerator(args, kwargs):
-            _warn_offload(op)
+        if isinstance(decision, Offload):
+            if _below(ctx, getattr(decision, "min_bytes", 0)):
+                return CheckpointPolicy.MUST_SAVE  # too small to copy: kept, as eager remat
+            if offloading_in_compile() and _compat.is_compiling():
+                return CheckpointPolicy.MUST_CPU_OFFLOAD  # marked by _OffloadMarks (Rule 4)
+            if _on_accelerator(args, kwargs):
+                _warn_offload(op)
         return CheckpointPolicy.MUST_SAVE
 
 

@@ -189,9 +189,9 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
             total += storage[2]
             extra += storage[2]
     if any(r.kind == "offloaded" for r, _ in listed):
-        # torch's compiled checkpoint cannot offload (see ckptfx.lowering, Rule 4)
+        # torch's compiled checkpoint offloads only when asked (see ckptfx.lowering, Rule 4)
         print("offloaded residuals stay in device memory when the block runs inside "
-              "torch.compile")
+              "torch.compile, unless it was compiled inside ckptfx.offload_in_compile()")
     n, storages = len(listed), len(first_line)
     print(f"total: {n} residual{'s' * (n != 1)}"
           + (f" in {storages} storage{'s' * (storages != 1)}" if storages != n else "")

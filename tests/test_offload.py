@@ -446,20 +446,25 @@ def test_no_buffer_or_event_outlives_the_step_and_the_next_step_reuses_the_buffe
     gc.collect()
     before = ckptfx.offload_pool_stats()
     refs: list[Any] = []
+    events: list[list[torch.Event]] = []
     made = HostGroup.__init__
 
     def spy(self: HostGroup, *args: Any, **kwargs: Any) -> None:
         made(self, *args, **kwargs)
         refs.append(weakref.ref(self))
+        events.append(self.buffers.d2h)  # the list: its events are appended as copies go
     HostGroup.__init__ = spy  # type: ignore[method-assign]
     try:
         for _ in range(2):
             torch.autograd.grad(run(x, ws).sum(), [x, *ws])
     finally:
         HostGroup.__init__ = made  # type: ignore[method-assign]
+    event_refs = [weakref.ref(e) for group in events for e in group]
+    del events
     gc.collect()
     after = ckptfx.offload_pool_stats()
     assert len(refs) == 2 * len(WIDTHS) and all(r() is None for r in refs)
+    assert len(event_refs) == 2 * len(WIDTHS) and all(r() is None for r in event_refs)
     assert after.in_use_bytes == before.in_use_bytes
     # the second step found the first step's buffers in the pool
     assert after.allocations - before.allocations <= len(WIDTHS)

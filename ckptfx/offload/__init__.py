@@ -10,6 +10,8 @@ an offload share); this package decides *how*, for the packs of ``ckptfx.recordi
 - ``pool.py``: the host buffers, reused across steps; ``offload_pool_stats``,
   ``empty_offload_pool``.
 - ``streams.py``: the side stream of each device; ``serialized_copies`` for benchmarks.
+- ``compiled.py``: ``offload_in_compile``, the opt-in under which ``torch.compile``'s
+  partitioner moves what remat policies offload (its own Rules; ``ckptfx.lowering`` Rule 4).
 
 Rules
 
@@ -60,8 +62,9 @@ Rules
    copy would still hold the saved value, but ckptfx does not differ from torch silently.
 """
 
+from ckptfx.offload.compiled import offload_in_compile
 from ckptfx.offload.groups import HostGroup, HostResidual, group_for
 from ckptfx.offload.pool import OffloadPoolStats, empty_offload_pool, offload_pool_stats
 
 __all__ = ["HostGroup", "HostResidual", "OffloadPoolStats", "empty_offload_pool", "group_for",
-           "offload_pool_stats"]
+           "offload_in_compile", "offload_pool_stats"]
