@@ -86,7 +86,8 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
 
 
 # One storage as kept: ("storage", its identity, its bytes); an offloaded residual's host
-# copy holds its own elements only and shares nothing: ("offloaded", line, its bytes).
+# copy is one copy of its whole storage, shared by the views of it the block saved
+# (ckptfx.offload Rule 2): ("offloaded", the storage's identity, its bytes).
 _Storage = tuple[str, int, int]
 
 
@@ -131,8 +132,8 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
         seen.add(key)
         name, source = _source(tracer, kind, x, slot, version, outside)
         nbytes = x.numel() * x.element_size()
-        held: _Storage = (("offloaded", len(out), nbytes) if kind == "offloaded"
-                          else ("storage", storage._cdata, storage.nbytes()))
+        held: _Storage = ("offloaded" if kind == "offloaded" and x.device.type != "cpu"
+                          else "storage", storage._cdata, storage.nbytes())
         out.append((Residual(tuple(x.shape), x.dtype, x.device, nbytes, name, kind, source),
                     held))
     return out, notes

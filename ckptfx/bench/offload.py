@@ -9,7 +9,8 @@ the tests' fake device), the device bytes held between forward and backward, the
 device synchronisation; ratios per round against ``keep``). Every variant's gradients are
 checked ``torch.equal`` to the plain step's. Run::
 
-    python -m ckptfx.bench.offload --device cuda --d 2048 --seq 2048 --batch 4 --blocks 8
+    python -m ckptfx.bench.offload --device cuda --d 2048 --seq 2048 --batch 4 \
+        --blocks 8
     python -m ckptfx.bench.offload --fake          # the tests' fake accelerator (a dry run)
 
 On the CPU there is nothing to offload (host memory already); the figures that matter need

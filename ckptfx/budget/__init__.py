@@ -2,8 +2,9 @@
 
 ``ckptfx.budget`` is public (``ckptfx.budget.memory_budget``; pickles of budget policies name
 it). Its files, imports pointing down: ``cut.py`` (the min-cut solver), ``model.py`` (scoring
-keep-sets on a recording, the frontier), ``planner.py`` (the planning recorder, plan caches,
-model-level budgets). The policy value itself is ``ckptfx.policies.budget_policy``'s.
+keep-sets on a recording, the frontier), ``place.py`` (splitting a point between device and
+host memory for ``offload``), ``planner.py`` (the planning recorder, plan caches, model-level
+budgets). The policy value itself is ``ckptfx.policies.budget_policy``'s.
 
 A policy is normally asked op by op; a budget needs the whole block before it can choose. So
 the budget plans once per remat'd function and call signature, from a recording:
@@ -48,6 +49,17 @@ Rules
    be replayed from its recording (``ckptfx.recording.tracer`` Rule 4) has only two points:
    nothing and everything. Under ``torch.func`` transforms (``ckptfx.func_path``) the budget acts as
    ``nothing_saveable``.
+
+5. Offload as a budget (``memory_budget(fraction, offload=o)``, ``place.py``): a kept value may
+   live in host memory (``ckptfx.Offload``), which costs transfers (overlapped with compute
+   by ``ckptfx.offload``), not FLOPs. The plan is the frontier point recomputing the fewest
+   FLOPs within (fraction + o) x everything_saveable's bytes whose values split with at most
+   ``fraction`` of those bytes on the device (the guarantee of Rule 3, unchanged) and at
+   most ``o`` on the host, copying as few bytes as it can: large values go first, values
+   under ``place.MIN_OFFLOAD_BYTES`` (64 KiB) stay on the device. It never recomputes more
+   FLOPs than ``memory_budget(fraction)``; ``o = 0.0`` (the default) is that budget exactly,
+   and ``fraction = 1.0`` keeps everything on the device. ``print_saved_residuals`` lists
+   the offloaded values and says what went to host.
 """
 
 from ckptfx._public import report_home

@@ -43,6 +43,8 @@ class Recording(Protocol):
     op_view: list[bool]
     nbytes: dict[int, int]              # base slot -> storage bytes
     pack_time: dict[int, int]           # holder position -> ops recorded before
+    pack_bytes: dict[int, int]          # holder position -> packed tensor's bytes (0: uncopyable)
+    value_bytes: dict[int, int]         # slot -> op output's bytes (0: uncopyable)
 
 __all__ = ["EXACT_UNITS", "Frontier", "Note", "Point", "pareto"]
 
@@ -101,6 +103,11 @@ class Frontier:
         self.exhaustive = exhaustive
         self.candidates = len(points)
         self.model: _Model | None = None  # set by from_recording, for ``why``
+        # The recording's model, replayable or not, for splitting a point between device and
+        # host memory (place.py); set by from_recording.
+        self.recorded: _Model | None = None
+        # (fraction, offload) -> its place.Placement: a planned call asks at every call.
+        self.placements: dict[tuple[float, float], Any] = {}
         self.points = pareto(points)  # Rule 3
         # Exact: every budget's choice is proven to recompute the fewest FLOPs (every subset
         # scored, or every frontier interval's search finished), or the block has only
@@ -175,8 +182,12 @@ class Frontier:
             return f"past the last of {len(hull)} hull points"
         return f"between hull points {k} and {k + 1} of {len(hull)}"
 
-    def explain(self, fraction: float, planned_now: bool, choice: "Point | None" = None
-                ) -> Note:
+    def explain(self, fraction: float, planned_now: bool, choice: "Point | None" = None,
+                placement: Any = None, label: str | None = None) -> Note:
+        """What a budget chose, in words. ``placement`` (a ``place.Placement``) is the
+        choice split between device and host memory; ``label`` names the budget."""
+        if placement is not None and placement.offload:
+            return self._explain_offload(fraction, planned_now, placement, label or "")
         p = self.choose(fraction) if choice is None else choice
         # A model-level budget (memory_budget_policies) may give the block more or less than
         # its even split: its share, the choice, is then the budget it was held to.
@@ -186,8 +197,8 @@ class Frontier:
                   if shared else f"budget {human_bytes(limit)}")
         ev, no = self.everything, self.nothing
         lines = [
-            f"memory_budget({fraction:g}): keeps {human_bytes(p.nbytes)} of {human_bytes(ev.nbytes)} "
-            f"(everything_saveable; {budget}), recomputes "
+            f"{label or f'memory_budget({fraction:g})'}: keeps {human_bytes(p.nbytes)} of "
+            f"{human_bytes(ev.nbytes)} (everything_saveable; {budget}), recomputes "
             f"{_f(p.flops)} of {_f(no.flops)} FLOPs (nothing_saveable; dots_saveable keeps "
             f"{human_bytes(self.dots.nbytes)} and recomputes {_f(self.dots.flops)}); chosen from "
             f"{len(self.points)} frontier points of {self.candidates} candidates over "
@@ -199,6 +210,34 @@ class Frontier:
         for i, saved in self.why(p):
             lines.append(f"  may keep op {i} ({self.funcs[i]}): dropping it would recompute "
                          f"{_f(saved[0])} FLOPs ({saved[1]} elements) more")
+        return Note("\n".join(lines), planned_now)
+
+    def _explain_offload(self, fraction: float, planned_now: bool, placement: Any,
+                         label: str) -> Note:
+        """``explain`` for a choice that keeps some values in host memory (place.py)."""
+        p = placement.point
+        ev, no = self.everything, self.nothing
+        lines = [
+            f"{label}: keeps {human_bytes(placement.device)} on the device and "
+            f"{human_bytes(placement.host)} in host memory (offloaded) of "
+            f"{human_bytes(ev.nbytes)} (everything_saveable; device budget "
+            f"{human_bytes(self.budget_bytes(fraction))}), recomputes {_f(p.flops)} of "
+            f"{_f(no.flops)} FLOPs (nothing_saveable; memory_budget({fraction:g}) alone "
+            f"recomputes {_f(self.choose(fraction).flops)}); chosen from {len(self.points)} "
+            f"frontier points of {self.candidates} candidates over {self.units} ops; "
+            f"{self.proven(p, p.nbytes)}",
+        ]
+        if planned_now:
+            lines.append("  (this call planned and kept nothing; later calls with this "
+                         "signature keep the set below)")
+        why = dict(self.why(p))
+        for i in sorted(p.keep):
+            if i in placement.offload:
+                lines.append(f"  offloads op {i} ({self.funcs[i]}) to host memory")
+            elif i in why:
+                saved = why[i]
+                lines.append(f"  may keep op {i} ({self.funcs[i]}): dropping it would "
+                             f"recompute {_f(saved[0])} FLOPs ({saved[1]} elements) more")
         return Note("\n".join(lines), planned_now)
 
     def why(self, p: Point) -> list[tuple[int, tuple[int, int]]]:
@@ -225,7 +264,9 @@ class Frontier:
         nothing = model.score(frozenset())
         dots = model.score(frozenset(i for i, f in enumerate(funcs) if f in DOTS))
         if not model.replayable:
-            return cls([nothing, everything], everything, nothing, dots, funcs, False, 0)
+            frontier = cls([nothing, everything], everything, nothing, dots, funcs, False, 0)
+            frontier.recorded = model
+            return frontier
         units = model.units
         model.greedy_add()
         model.greedy_remove()
@@ -239,7 +280,7 @@ class Frontier:
                     model.score(frozenset(combo))
             frontier = cls(list(model.memo.values()), everything, nothing, dots, funcs, True,
                            len(units), proof, exhaustive=True)
-        frontier.model = model
+        frontier.model = frontier.recorded = model
         return frontier
 
 
@@ -276,6 +317,11 @@ class _Model:
         self.cost = tracer.op_cost
         self.view = tracer.op_view
         self.nbytes = tracer.nbytes
+        # Whether an Offload answer would copy a kept tensor to the host (place.py Rule 5a):
+        # per pack, the packed tensor's bytes; per value the replay frontier keeps, the op
+        # output's (0 where the eager side never copies it).
+        self.pack_bytes = tracer.pack_bytes
+        self.value_bytes = tracer.value_bytes
         self.memo: dict[frozenset[int], Point] = {}
         # Per op: its output slots, new (made by it) or rewritten, with the version they
         # have after the op.
@@ -303,6 +349,23 @@ class _Model:
         p = self.memo.get(keep)
         if p is not None:
             return p
+        seg = self.seg
+        _, kept, frontier, wanted = self.held_by(keep)
+        available = {sv: True for sv in kept | frontier}
+        plan = seg._plan(wanted, available) if wanted else []
+        flops = sum(self.cost[i][0] for i in plan)
+        elems = sum(self.cost[i][1] for i in plan)
+        bases = {seg.base[s] for s, _ in kept | frontier}
+        nbytes = sum(self.nbytes.get(b, 0) for b in bases)
+        p = self.memo[keep] = Point(keep, nbytes, flops, elems)
+        return p
+
+    def held_by(self, keep: frozenset[int]) -> tuple[list[int], set[tuple[int, int]],
+                                                     set[tuple[int, int]],
+                                                     list[tuple[int, int]]]:
+        """What the tracer holds for ``keep``: the holder positions of the packs it keeps,
+        their values, the replay frontier's values (kept for the replay only) and the
+        values the replay must rebuild, each value as (slot, version)."""
         seg, root = self.seg, self.root
         # decision history: slot -> [(ops recorded when set, decision)]
         decision: dict[int, bool] = {}
@@ -322,8 +385,9 @@ class _Model:
                 if d and not inherited and root[slot] < 0:
                     held[(slot, version)] = True
         kept: set[tuple[int, int]] = set()
+        kept_packs: list[int] = []
         wanted: list[tuple[int, int]] = []
-        for _, sv, t in self.packs:
+        for pos, sv, t in self.packs:
             slot = sv[0]
             if root[slot] >= 0:
                 wanted.append(sv)
@@ -334,6 +398,7 @@ class _Model:
                     d = value
             if d:
                 kept.add(sv)
+                kept_packs.append(pos)
             else:
                 wanted.append(sv)
         # the replay's frontier (packs.py, Tracer._keep_what_the_replay_reads)
@@ -354,14 +419,7 @@ class _Model:
             for i in seg.makers(slot, version):
                 if i >= 0:
                     stack.extend((s, v) for _, s, v in seg.ops[i].inputs)
-        available = {sv: True for sv in kept | frontier}
-        plan = seg._plan(wanted, available) if wanted else []
-        flops = sum(self.cost[i][0] for i in plan)
-        elems = sum(self.cost[i][1] for i in plan)
-        bases = {seg.base[s] for s, _ in kept | frontier}
-        nbytes = sum(self.nbytes.get(b, 0) for b in bases)
-        p = self.memo[keep] = Point(keep, nbytes, flops, elems)
-        return p
+        return kept_packs, kept, frontier, wanted
 
     def fresh(self) -> "_Model":
         """This model with nothing scored yet (to compare ways of proposing candidates)."""

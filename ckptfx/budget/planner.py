@@ -16,6 +16,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ckptfx._ops import op_info
 from ckptfx.budget.model import Frontier, Note, Point
+from ckptfx.budget.place import Placement, offload_answer, place, spread_placed
 from ckptfx.policies.budget_policy import MemoryBudget
 from ckptfx.policies.named import everything_saveable
 from ckptfx.policies.protocol import Decision
@@ -23,11 +24,11 @@ from ckptfx.policies.tracer_stack import reporting
 from ckptfx.recording.signature import per_function, signature
 from ckptfx.recording.tracer import Tracer
 
-__all__ = ["BlockShare", "ModelBudget", "memory_budget_policies", "spread", "take_notes",
-           "tracer_for"]
+__all__ = ["BlockShare", "ModelBudget", "memory_budget_policies", "placement_of", "spread",
+           "take_notes", "tracer_for"]
 
 
-def memory_budget_policies(blocks: Sequence[Any], memory_budget: float
+def memory_budget_policies(blocks: Sequence[Any], memory_budget: float, offload: float = 0.0
                            ) -> list[MemoryBudget]:
     """Spread a model-level budget over ``blocks``: one policy per block, in order.
 
@@ -41,19 +42,28 @@ def memory_budget_policies(blocks: Sequence[Any], memory_budget: float
     is a ``ValueError``, a non-number a ``TypeError``; ``blocks`` must be a sequence (or an
     ``nn.ModuleList``), else a ``TypeError``. Pass policy ``i`` to block ``i`` only.
 
+    ``offload`` (default ``0.0``: nothing offloaded, the above exactly) is the fraction of the
+    same bytes that may be kept in host memory instead (``memory_budget``'s ``offload``):
+    each block starts from its own ``memory_budget(memory_budget, offload)`` choice, and
+    upgrades are taken while one split of all the blocks' values keeps the model's device
+    bytes within ``memory_budget`` and its host bytes within ``offload`` of the total
+    (``ckptfx.budget.place`` Rule 5c).
+
     Example::
 
         policies = ckptfx.memory_budget_policies(model.layers, 0.25)
         calls = [ckptfx.remat(layer.forward, policy=p)
                  for layer, p in zip(model.layers, policies)]
+        offloading = ckptfx.memory_budget_policies(model.layers, 0.1, offload=0.3)
     """
     if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence) and not (
             isinstance(blocks, torch.nn.ModuleList)):
         raise TypeError(f"memory_budget_policies: blocks must be a sequence of blocks, got "
                         f"{type(blocks).__name__}")
-    MemoryBudget(memory_budget)  # checks the fraction
+    checked = MemoryBudget(memory_budget, offload)  # checks both fractions
     model = ModelBudget(len(blocks))
-    return [BlockShare(float(memory_budget), model, i) for i in range(len(blocks))]
+    return [BlockShare(checked.fraction, checked.offload, model=model, index=i)
+            for i in range(len(blocks))]
 
 
 class ModelBudget:
@@ -61,7 +71,7 @@ class ModelBudget:
 
     def __init__(self, n: int) -> None:
         self.frontiers: list[Frontier | None] = [None] * n
-        self.shares: list[Point] | None = None
+        self.shares: list[Placement] | None = None
         self.first: int | None = None  # the block that registered first: a step's start
         self.active = False
 
@@ -73,14 +83,19 @@ class ModelBudget:
     def __setstate__(self, state: dict[str, int]) -> None:
         self.__init__(state["n"])  # type: ignore[misc]
 
-    def register(self, index: int, frontier: "Frontier", fraction: float) -> None:
+    def register(self, index: int, frontier: "Frontier", fraction: float,
+                 offload: float = 0.0) -> None:
         if self.frontiers[index] is not frontier:
             if self.first is None:
                 self.first = index
             self.frontiers[index] = frontier
             self.shares, self.active = None, False
             if all(f is not None for f in self.frontiers):
-                self.shares = spread(self.frontiers, fraction)  # type: ignore[arg-type]
+                frontiers: list[Frontier] = self.frontiers  # type: ignore[assignment]
+                if offload:
+                    self.shares = spread_placed(frontiers, fraction, offload)
+                else:
+                    self.shares = [Placement.on_device(p) for p in spread(frontiers, fraction)]
         elif self.shares is not None and index == self.first:
             # From the start of the next step: a step in which some blocks already ran
             # with the even split must not give the others their re-spread shares.
@@ -121,12 +136,20 @@ class BlockShare(MemoryBudget):
     model: ModelBudget = dataclasses.field(default=None, compare=False, repr=False)  # type: ignore[assignment]
     index: int = 0
 
-    def choose(self, frontier: "Frontier") -> "Point":
+    def place(self, frontier: "Frontier") -> Placement:
         model = self.model
-        model.register(self.index, frontier, self.fraction)
+        model.register(self.index, frontier, self.fraction, self.offload)
         if not model.active or model.shares is None:
-            return frontier.choose(self.fraction)
+            return place(frontier, self.fraction, self.offload)
         return model.shares[self.index]
+
+
+def placement_of(budget: MemoryBudget, frontier: "Frontier") -> Placement:
+    """The point ``budget`` keeps of ``frontier``, split between device and host memory: a
+    model budget's share for a ``BlockShare``, else the block's own (``place``)."""
+    if isinstance(budget, BlockShare):
+        return budget.place(frontier)
+    return place(frontier, budget.fraction, budget.offload)
 
 
 # -- plans: cached per remat'd function and signature ---------------------------------------
@@ -170,17 +193,23 @@ def take_notes() -> list[Note]:
     return items
 
 
+_OFFLOAD = offload_answer()
+
+
 class _PlanCursor:
     """The per-op policy of a planned call: keep the outputs of the chosen ops, by position
-    in the recording; from an op that differs from the plan's, recompute (Rule 4)."""
+    in the recording, in host memory for those in ``offload``; from an op that differs from
+    the plan's, recompute (Rule 4)."""
 
-    __slots__ = ("keep", "funcs", "seg", "off")
+    __slots__ = ("keep", "funcs", "seg", "off", "offload")
 
-    def __init__(self, keep: frozenset[int], funcs: tuple[Any, ...], seg: Any) -> None:
+    def __init__(self, keep: frozenset[int], funcs: tuple[Any, ...], seg: Any,
+                 offload: frozenset[int] = frozenset()) -> None:
         self.keep = keep
         self.funcs = funcs
         self.seg = seg
         self.off = False
+        self.offload = offload
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
         if self.off:
@@ -189,6 +218,8 @@ class _PlanCursor:
         if i >= len(self.funcs) or self.funcs[i] is not op:
             self.off = True
             return False
+        if i in self.offload:
+            return _OFFLOAD
         return i in self.keep
 
 
@@ -207,6 +238,8 @@ class _PlanningTracer(Tracer):
         self.op_writes: list[bool] = []
         self.nbytes: dict[int, int] = {}          # base slot -> storage bytes
         self.pack_time: dict[int, int] = {}       # holder position -> ops recorded before
+        self.pack_bytes: dict[int, int] = {}      # holder position -> _copied_bytes
+        self.value_bytes: dict[int, int] = {}     # slot -> _copied_bytes of the op output
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -219,13 +252,12 @@ class _PlanningTracer(Tracer):
         seg = self.seg
         for j, slot in seg.ops[-1].outs:
             base = seg.base[slot]
+            t = out if isinstance(out, torch.Tensor) else optree.tree_leaves(
+                out, none_is_leaf=True)[j]
             if base not in self.nbytes:
-                t = out if isinstance(out, torch.Tensor) else optree.tree_leaves(
-                    out, none_is_leaf=True)[j]
                 self.nbytes[base] = t.untyped_storage().nbytes()
+            self.value_bytes[slot] = _copied_bytes(t)
             if not info.alias:
-                t = out if isinstance(out, torch.Tensor) else optree.tree_leaves(
-                    out, none_is_leaf=True)[j]
                 elems += t.numel()
         self.op_cost.append((flops, elems))
         self.op_view.append(info.view)
@@ -236,6 +268,7 @@ class _PlanningTracer(Tracer):
         pos = len(self.frame.holders)
         packed = super().pack(x)
         self.pack_time[pos] = len(self.seg.ops)
+        self.pack_bytes[pos] = _copied_bytes(x)
         return packed
 
     def finish(self) -> Any:
@@ -243,18 +276,38 @@ class _PlanningTracer(Tracer):
         frontier = Frontier.from_recording(self)
         self._plans[self._key] = frontier
         if reporting():
-            _notes.append(frontier.explain(self._budget.fraction, planned_now=True))
+            budget = self._budget
+            # the budget's own placement: a model budget's share registers on later calls
+            placement = place(frontier, budget.fraction, budget.offload)
+            _notes.append(frontier.explain(budget.fraction, planned_now=True,
+                                           placement=placement, label=budget.label()))
         return seg
+
+
+def _copied_bytes(t: torch.Tensor) -> int:
+    """The bytes by which the eager side decides whether to copy ``t`` to the host
+    (``ckptfx.offload`` Rules 1-2): its own elements'; 0 where it never copies it (a tensor
+    subclass, a non-strided layout, a lazy conjugate or negation, a quantized tensor, an
+    empty storage or one that is not a whole number of its elements), so the plan counts it
+    as staying on the device (place.py Rule 5a)."""
+    if (t.__class__ is not torch.Tensor or t.layout is not torch.strided or t.is_conj()
+            or t.is_neg() or t.is_quantized):
+        return 0
+    size = t.element_size()
+    nbytes = t.untyped_storage().nbytes()
+    if nbytes == 0 or nbytes % size:
+        return 0
+    return t.numel() * size
 
 
 def tracer_for(budget: MemoryBudget, fun: Callable[..., Any], args: tuple, kwargs: dict,
                tensors: Sequence[torch.Tensor]) -> Callable[..., Tracer]:
     """The recorder for one remat call of ``fun`` under ``budget``: planning (first call of
     a signature) or answering from the cached plan. Called by ``remat``."""
-    if budget.fraction in (0.0, 1.0):
+    if budget.fraction == 1.0 or budget.fraction == 0.0 and not budget.offload:
         if reporting():
             same = "nothing_saveable" if budget.fraction == 0.0 else "everything_saveable"
-            _notes.append(Note(f"memory_budget({budget.fraction:g}) is {same}", False))
+            _notes.append(Note(f"{budget.label()} is {same}", False))
         policy = None if budget.fraction == 0.0 else everything_saveable
         return lambda frame, ts, names: Tracer(frame, list(ts), policy, names)
     key = signature(args, kwargs, tensors)
@@ -268,15 +321,23 @@ def tracer_for(budget: MemoryBudget, fun: Callable[..., Any], args: tuple, kwarg
         def planning(frame: Any, ts: Sequence[torch.Tensor], names: Any) -> Tracer:
             return _PlanningTracer(frame, ts, names, plans, key, budget)
         return planning
-    choice = budget.choose(frontier)
+    placement = placement_of(budget, frontier)
+    choice = placement.point
     if reporting():
-        _notes.append(frontier.explain(budget.fraction, planned_now=False, choice=choice))
-    if choice.keep == frontier.everything_keep and not frontier.replayable:
+        label = budget.label()
+        if budget.offload and placement != place(frontier, budget.fraction, budget.offload):
+            # a model budget's share may exceed the block's own limits (Rule 5c)
+            label += ", this block's share of a model-level budget"
+        _notes.append(frontier.explain(budget.fraction, planned_now=False, choice=choice,
+                                       placement=placement, label=label))
+    if (choice.keep == frontier.everything_keep and not frontier.replayable
+            and not placement.offload):
         return lambda frame, ts, names: Tracer(frame, ts, everything_saveable, names)
 
     def planned(frame: Any, ts: Sequence[torch.Tensor], names: Any) -> Tracer:
         tracer = Tracer(frame, list(ts), None, names)
         if choice.keep:
-            tracer.policy = _PlanCursor(choice.keep, frontier.funcs, tracer.seg)
+            tracer.policy = _PlanCursor(choice.keep, frontier.funcs, tracer.seg,
+                                        placement.offload)
         return tracer
     return planned

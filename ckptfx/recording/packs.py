@@ -254,10 +254,11 @@ class PackSide:
         report under ``x``."""
         if isinstance(decision, Offload):
             device = kept.device
-            if device.type == "cpu":  # host memory already: kept as it is
+            big = kept.numel() * kept.element_size() >= decision.min_bytes
+            if device.type == "cpu" and big:  # host memory already: kept as it is
                 self._note("offloaded", x, slot, version)
                 return _Kept(kept)
-            if kept.numel() * kept.element_size() >= decision.min_bytes:
+            if big:
                 pinned = self.pinned and decision.dst == "pinned_host"
                 key = (device, pinned)
                 group = group_for(self.hosts.get(key), device, pinned, self.frame,
