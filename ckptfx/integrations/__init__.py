@@ -2,7 +2,14 @@
 
 ``apply_activation_checkpointing(model)`` is ckptfx's counterpart of
 ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing``,
-with the blocks found for you. Rules:
+with the blocks found for you (this ``__init__``: any model, Hugging Face and timm ones
+included). Integrations with a framework of their own are submodules:
+
+- ``torchtitan.py`` (``ckptfx.integrations.torchtitan``): ckptfx as a torchtitan
+  activation-checkpointing choice (``CkptfxAC``, ``apply_ac``) and ckptfx's pipeline stages
+  for torchtitan's pipelining (``pipeline_llm``).
+
+Rules:
 
 1. **Which blocks.** ``check_fn(module)`` when given; otherwise, in this order, the first
    that finds any: Hugging Face ``GradientCheckpointingLayer``s (the decoder/encoder
@@ -30,12 +37,18 @@ with the blocks found for you. Rules:
    before; ``every_n_layers`` picks the layers as Hugging Face does. What ckptfx does not
    do there (reentrant checkpointing, Hugging Face's ``offload``, other checkpoint
    options) is refused with an error naming it, before anything changes.
+6. **Framework submodules load on demand.** Importing ``ckptfx`` or ``ckptfx.integrations``
+   imports no framework; ``ckptfx.integrations.torchtitan`` is imported by name (or on first
+   access of the attribute), and without its framework it raises an ``ImportError`` that
+   says what to install.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
+import types
 import warnings
 from typing import Any, Callable, TypeVar
 
@@ -47,6 +60,19 @@ from ckptfx.policies.budget_policy import MemoryBudget
 from ckptfx.policies.named import check_policy, checkpoint_function_error
 
 __all__ = ["apply_activation_checkpointing", "find_blocks"]
+
+# Rule 6: the framework submodules, imported on first access (as optree's integrations are).
+_SUBMODULES = frozenset({"torchtitan"})
+
+
+def __getattr__(name: str) -> types.ModuleType:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # binds the attribute too
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES})
 
 M = TypeVar("M", bound=nn.Module)
 
