@@ -112,6 +112,7 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
         # A memory budget planned in that call (and kept nothing, ckptfx.budget Rule 1): run
         # again to list what later calls keep. The plan is told once: by the planning
         # call's notes, which say that the list is a later call's.
+        _release(report)
         report = _report(target, options, args, kwargs)
         planner.take_notes()
     leaves = optree.tree_leaves((args, kwargs), none_is_leaf=True)
@@ -136,7 +137,18 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
                           else "storage", storage._cdata, storage.nbytes())
         out.append((Residual(tuple(x.shape), x.dtype, x.device, nbytes, name, kind, source),
                     held))
+    _release(report)
     return out, notes
+
+
+def _release(report: list[tuple[Any, ...]]) -> None:
+    """The recorders keep the list they reported into, whose tensors hold the report call's
+    graph, whose saved-tensor hooks hold the recorders: a cycle through autograd's C++ graph
+    that gc cannot see. Cut it, or every report leaks its call (and the host buffers of what
+    it offloaded)."""
+    for entry in report:
+        entry[0].report = None
+    report.clear()
 
 
 def _report(target: Callable[..., Any], options: RematOptions, args: tuple, kwargs: dict

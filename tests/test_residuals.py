@@ -193,8 +193,9 @@ def test_print_saved_residuals_total_counts_a_storage_once(capsys: pytest.Captur
 
 def test_print_saved_residuals_total_edge_cases(capsys: pytest.CaptureFixture) -> None:
     """An argument that slices a big tensor counts what the block reads of it, not the big
-    storage; zero-size arguments are separate storages (all sit at address 0); an
-    offloaded residual's host copy shares no storage with a kept view of the same value."""
+    storage; zero-size arguments are separate storages (all sit at address 0); on the CPU
+    an offloaded residual is kept as it is (host memory already), so it shares the storage
+    of a kept view of the same value."""
     big = torch.randn(512, 512)
     ckptfx.print_saved_residuals(lambda x: x.sin(), big[:2, :4])
     assert capsys.readouterr().out.splitlines()[-1] == (
@@ -218,7 +219,7 @@ def test_print_saved_residuals_total_edge_cases(capsys: pytest.CaptureFixture) -
                                  torch.randn(32, 64, requires_grad=True))
     lines = capsys.readouterr().out.splitlines()
     (offloaded,) = [line for line in lines if "offloaded" in line and "named 'k'" in line]
-    assert "same storage" not in offloaded
+    assert "same storage as line" in offloaded
 
 
 def test_print_saved_residuals_says_residual_for_one(capsys: pytest.CaptureFixture) -> None:
@@ -298,3 +299,34 @@ def test_keyword_arguments_bound_in_a_partial_are_named_as_arguments() -> None:
     assert {"from the argument position_embeddings[0]",
             "from the argument position_embeddings[1]"} <= sources
     assert not any("a global?" in s for s in sources)
+
+
+@pytest.mark.parametrize("policy", ["dots", "budget"])
+def test_a_report_keeps_none_of_its_calls_alive(policy: str) -> None:
+    """The recorders of a report's calls (and the graphs they made) are freed with it: the
+    report list held the graph, whose saved-tensor hooks held the recorders."""
+    import gc
+    import weakref
+
+    from ckptfx.recording.tracer import Tracer
+
+    made: list[Any] = []
+    init = Tracer.__init__
+
+    def spy(self: Tracer, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ w).chunk(3, dim=-1)
+        return (q * k * v).sum(-1, keepdim=True) * x
+
+    chosen = cp.dots_saveable if policy == "dots" else cp.memory_budget(0.5)
+    Tracer.__init__ = spy  # type: ignore[method-assign]
+    try:
+        ckptfx.saved_residuals(ckptfx.remat(block, policy=chosen), torch.randn(4, 8),
+                               torch.randn(8, 24, requires_grad=True))
+    finally:
+        Tracer.__init__ = init  # type: ignore[method-assign]
+    gc.collect()
+    assert made and all(r() is None for r in made)

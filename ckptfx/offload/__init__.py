@@ -27,26 +27,33 @@ Rules
    a sparse or other non-strided layout, a lazily conjugated or negated view, a quantized
    tensor, and a view whose storage is not a whole number of its elements or is empty.
 3. Out: the copy is queued on the device's side stream (``streams.side_stream``) after that
-   stream waited for the current one; the device source is held until the copy's event has
-   completed (polled, never waited for on the host, at each later offload and when the block
-   ends), so the allocator never hands its memory to new work while the copy reads it. An op
-   of the block that writes a storage whose copy is still queued makes the current stream
-   wait for the copy first (the tracer asks ``before_write``), and so does a block output
-   whose storage is still being copied when the block returns (the caller may write it).
-4. Host buffers come from a pool per device and kind of memory (pinned for
-   ``dst="pinned_host"``), by byte size, and go back to it when their group dies: the next
-   step reuses them. Every copy in or out of one pool's buffers runs on that device's side
-   stream, in issue order, so reuse needs no host synchronisation. A buffer that cannot be
+   stream waited for the current one, and the device source is recorded on the side stream
+   (``record_stream``) and let go: the allocator reuses its memory only after the copy has
+   run, and frees it as soon as the block's own references are gone, never waiting on the
+   host. An op of the block that writes a storage whose copy may still be queued makes the
+   current stream wait for the copy first (the tracer asks ``before_write``), and so does a
+   block output whose storage is being copied when the block returns (the caller may write
+   it).
+4. Host buffers come from a pool per device, kind of memory (pinned for
+   ``dst="pinned_host"``) and stream, in size classes, and go back to it when their group
+   dies: the next step reuses them. Every copy in or out of one pool's buffers runs on that
+   pool's stream, in issue order, so reuse needs no host synchronisation. The pool caches
+   at most twice the bytes its residuals ever held at once. A buffer that cannot be
    allocated is a ``CheckpointError`` that says what to do. ``offload_pool_stats`` reports
-   the pool; ``empty_offload_pool`` frees its cached buffers.
+   the pool (in size-class bytes); ``empty_offload_pool`` frees its cached buffers.
 5. Back: the first read of one of a block call's offloaded values (autograd unpacking a
    residual, the replay reading a kept value, a prefire's replay) reloads every buffer of its
    group at once: device buffers allocated on the current stream (the one that reads them),
-   the side stream waits for it, the copies, one event; each read makes the reading stream
-   wait for that event (device-side, never a host sync). The same reload issues the reloads
-   of up to ``Offload.prefetch`` groups made before it on the forward's thread and never
-   reloaded: the blocks the backward reaches next, whose copies then run under this block's
-   backward.
+   the side stream waits for it, the copies, one event, and each buffer recorded on the side
+   stream (freed unread, its memory still waits for the copy into it); each read makes the
+   reading stream wait for that event (device-side, never a host sync), and a read on
+   another stream than the allocating one records that stream too. The same reload issues
+   the reloads of up to ``Offload.prefetch`` groups made before it on the forward's thread
+   and never reloaded: the blocks the backward reaches next, whose copies then run under
+   this block's backward. A prefetch registers nothing to a session and stops at a block
+   registered to another session (another micro-batch's); outside sessions, with two
+   graphs' forwards interleaved on one thread, it may reload the other graph's last block
+   early (held until that graph's backward reads it).
 6. How long a reload stays: for a frame registered to a recompute session (a prefire, a
    ``recompute_session_ctx``, ``vjp_split``, ``ckptfx.pipelining``), until the session is
    cleared, so dx and every dw call read one reload. Otherwise each buffer is held until every
@@ -54,8 +61,8 @@ Rules
    holds the tensors it unpacked); a later read that finds it gone (a second backward with
    ``retain_graph``) reloads that buffer.
 7. Nothing outlives the graph: a group belongs to the residuals of one block call and dies
-   with them. Its finalizer waits on the host only for a copy still running (a graph dropped
-   mid-copy), hands its host buffers back to the pool and drops its device copies.
+   with them, handing its host buffers back to the pool; its device memory went to the
+   allocator with its streams recorded (Rules 3 and 5), so nothing waits on the host.
 8. A saved tensor modified in place after it was offloaded (by the block, or a block output by
    the caller while it still holds it) is refused when the backward reads it, with a
    ``CheckpointError``, where autograd raises for a saved tensor modified in place; the host

@@ -16,26 +16,27 @@ from ckptfx.kernel.frame import CheckpointError
 from ckptfx.offload.pool import HostPool, pool_for
 from ckptfx.offload.streams import current_stream, side_stream
 
-__all__ = ["HostGroup", "HostResidual", "group_for"]
+__all__ = ["HostGroup", "HostResidual", "can_offload", "group_for"]
 
 
 class _Buffers:
     """What a group's finalizer settles, without a reference back to the group: per copied
-    storage, its host buffer, the copy's event, the device source held until that event has
-    completed, and the device copy a reload made (strong, or weak once read: Rule 6)."""
+    storage, its host buffer and size, the event of its copy out, and the device copy a
+    reload made (strong, or weak once read: Rule 6) with the stream it was allocated on."""
 
-    __slots__ = ("device", "pool", "side", "host", "d2h", "source", "dev", "dev_weak", "h2d",
-                 "read_by", "left")
+    __slots__ = ("device", "pool", "side", "host", "nbytes", "d2h", "dev", "dev_weak",
+                 "dev_stream", "h2d", "read_by", "left")
 
-    def __init__(self, device: torch.device, pool: HostPool) -> None:
+    def __init__(self, device: torch.device, pool: HostPool, side: torch.Stream) -> None:
         self.device = device
         self.pool = pool
-        self.side = side_stream(device)
+        self.side = side
         self.host: list[torch.Tensor] = []
+        self.nbytes: list[int] = []
         self.d2h: list[torch.Event] = []
-        self.source: list[torch.Tensor | None] = []
         self.dev: list[torch.Tensor | None] = []
         self.dev_weak: list[Callable[[], torch.Tensor | None] | None] = []
+        self.dev_stream: list[torch.Stream | None] = []
         self.h2d: list[torch.Event | None] = []
         self.read_by: list[set[int]] = []  # ids of the residuals read since the reload
         self.left: list[int] = []          # residuals alive per buffer
@@ -46,51 +47,48 @@ class _Buffers:
         side = self.side
         side.wait_stream(current_stream(self.device))  # the value has been computed
         if index is None:
-            host = self.pool.take(source.numel())
             index = len(self.host)
-            self.host.append(host)
+            self.host.append(self.pool.take(source.numel()))
+            self.nbytes.append(source.numel())
             self.d2h.append(torch.Event(device=self.device))
-            self.source.append(None)
             self.dev.append(None)
             self.dev_weak.append(None)
+            self.dev_stream.append(None)
             self.h2d.append(None)
             self.read_by.append(set())
             self.left.append(0)
-        host = self.host[index]
         with side:
-            host.copy_(source, non_blocking=self.pool.pinned)
+            self.host[index][:self.nbytes[index]].copy_(source, non_blocking=self.pool.pinned)
         self.d2h[index].record(side)
-        self.source[index] = source
+        # The allocator keeps the source's memory from new work until the side stream's work
+        # queued when it is freed has run: the copy may still be reading it.
+        source.record_stream(side)
         return index
 
-    def settle(self, index: int | None = None) -> None:
-        """Let go of device sources whose copy has completed (never blocks)."""
-        for i in (range(len(self.source)) if index is None else (index,)):
-            if self.source[i] is not None and self.d2h[i].query():
-                self.source[i] = None
-
     def wait_copied(self, index: int) -> None:
-        """Have the current stream wait for buffer ``index``'s copy out (device-side); after
-        that its source may be written or freed."""
-        if self.source[index] is not None:
-            current_stream(self.device).wait_event(self.d2h[index])
-            self.source[index] = None
+        """Have the current stream wait for buffer ``index``'s copy out (device-side): what
+        it runs next may write the source."""
+        current_stream(self.device).wait_event(self.d2h[index])
 
     def reload(self, indices: list[int]) -> None:
         """Queue the copies of ``indices`` back to the device (Rule 5)."""
         side = self.side
-        bufs = [torch.empty(self.host[i].numel(), dtype=torch.uint8, device=self.device)
+        stream = current_stream(self.device)
+        bufs = [torch.empty(self.nbytes[i], dtype=torch.uint8, device=self.device)
                 for i in indices]  # allocated on the current stream, the one that reads them
-        side.wait_stream(current_stream(self.device))
+        side.wait_stream(stream)  # the memory's earlier users on that stream are done
         event = torch.Event(device=self.device)
         with side:
             for i, buf in zip(indices, bufs):
-                buf.copy_(self.host[i], non_blocking=self.pool.pinned)
+                buf.copy_(self.host[i][:self.nbytes[i]], non_blocking=self.pool.pinned)
         event.record(side)
         for i, buf in zip(indices, bufs):
-            self.source[i] = None  # the copy back is queued after the copy out
+            # Freed unread (a prefetch the backward never reached, a cleared session), its
+            # memory waits for the copy into it.
+            buf.record_stream(side)
             self.dev[i] = buf
             self.dev_weak[i] = weakref.ref(buf)
+            self.dev_stream[i] = stream
             self.h2d[i] = event
             self.read_by[i] = set()
 
@@ -102,18 +100,12 @@ class _Buffers:
         return buf
 
     def close(self) -> None:
-        """The group died (its graph was freed): Rule 7."""
-        for i, source in enumerate(self.source):
-            if source is not None:  # freed with the copy out still running: wait for it
-                self.d2h[i].synchronize()
-        for i, buf in enumerate(self.dev):
-            event = self.h2d[i]
-            if buf is not None and event is not None and not event.query():
-                event.synchronize()  # a reload nobody read: let it land before the memory goes
+        """The group died (its graph was freed): Rule 7. Its host buffers go back to the
+        pool; a copy still queued in or out of one runs before any later copy that reuses it
+        (the pool's stream). Device memory was handed to the allocator with its streams."""
         for host in self.host:
             self.pool.give(host)
         self.host = []
-        self.source = []
         self.dev = []
         self.dev_weak = []
 
@@ -126,7 +118,8 @@ class HostGroup:
 
     def __init__(self, device: torch.device, pinned: bool, frame: Any, prefetch: int,
                  prev: "HostGroup | None") -> None:
-        self.buffers = _Buffers(device, pool_for(device, pinned))
+        side = side_stream(device)
+        self.buffers = _Buffers(device, pool_for(device, pinned, side), side)
         self.frame = weakref.ref(frame)
         self.prev = weakref.ref(prev) if prev is not None else None
         self.prefetch = prefetch
@@ -146,21 +139,14 @@ class HostGroup:
 
     # the forward ------------------------------------------------------------------------
 
-    def offload(self, t: torch.Tensor) -> "HostResidual | None":
-        """Pack ``t`` (a detached alias of a saved device tensor): queue its storage's copy to
-        the host, unless one is already queued at this version. None: ``t`` cannot be
-        restored from a copy of its storage (Rule 2), keep it on the device."""
-        if (t.__class__ is not torch.Tensor or t.layout is not torch.strided
-                or t.is_conj() or t.is_neg() or t.is_quantized):
-            return None  # its values are not just its storage's bytes under its strides
+    def offload(self, t: torch.Tensor) -> "HostResidual":
+        """Pack ``t`` (a detached alias of a saved device tensor that ``can_offload``): queue
+        its storage's copy to the host, unless one is already queued at this version."""
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         size = t.element_size()
-        if nbytes == 0 or nbytes % size:
-            return None
         with torch._C._DisableTorchDispatch():  # not an op of the block (recording/tracer.py)
             buffers = self.buffers
-            buffers.settle()
             assert self.storages is not None, "offload after the block's forward ended"
             key = storage.data_ptr()
             seen = self.storages.get(key)
@@ -197,8 +183,8 @@ class HostGroup:
                 self.written.add(seen[2])
 
     def finish(self, outputs: list[torch.Tensor]) -> None:
-        """The block's forward ended: outputs whose storage is still being copied make the
-        current stream wait (the caller may write them), finished copies free their source."""
+        """The block's forward ended: outputs whose storage is being copied make the current
+        stream wait for the copy (the caller may write them)."""
         storages, self.storages = self.storages, None
         if storages:
             for t in outputs:
@@ -207,7 +193,6 @@ class HostGroup:
                     self.buffers.wait_copied(seen[2])
                     if seen[1] == t._version:
                         self.outputs.append((weakref.ref(t), t._version, seen[2]))
-        self.buffers.settle()
 
     # the backward -----------------------------------------------------------------------
 
@@ -238,8 +223,11 @@ class HostGroup:
         if not self.started:
             self._start()
         with torch._C._DisableTorchDispatch():
+            stream = current_stream(buffers.device)
             if event is not None:
-                current_stream(buffers.device).wait_event(event)
+                stream.wait_event(event)
+            if stream != buffers.dev_stream[index]:  # read on another stream than allocated
+                buf.record_stream(stream)
             flat = buf if residual.dtype is torch.uint8 else buf.view(residual.dtype)
             return flat.as_strided(residual.shape, residual.stride, residual.offset)
 
@@ -260,7 +248,8 @@ class HostGroup:
         if not self.reloaded:
             with self.lock:
                 if not self.reloaded:
-                    self._note_session()
+                    if start:  # a prefetch adopts nothing into this backward's session
+                        self._note_session()
                     self._reload(None)
         if start and not self.started:
             self._start()
@@ -271,12 +260,17 @@ class HostGroup:
         buffers.reload(list(range(len(buffers.host))) if indices is None else indices)
 
     def _start(self) -> None:
-        """This block's backward began: reload the blocks it reaches next (Rule 5)."""
+        """This block's backward began: reload the blocks it reaches next (Rule 5), unless
+        registered to another session than this one (another micro-batch's)."""
         self.started = True
         prev = self.prev
         for _ in range(self.prefetch):
             group = prev() if prev is not None else None
             if group is None or group.started:
+                break
+            frame = group.frame()
+            session = frame.session if frame is not None else None
+            if frame is None or (session is not None and session is not self.session):
                 break
             group.reload_ahead(start=False)
             prev = group.prev
@@ -311,6 +305,17 @@ class HostGroup:
                 buffers.dev[i] = None
 
 
+def can_offload(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be restored from a copy of its storage's bytes (Rule 2): a plain
+    strided tensor, not lazily conjugated or negated, not quantized, over a storage of a
+    whole number of its elements."""
+    if (t.__class__ is not torch.Tensor or t.layout is not torch.strided
+            or t.is_conj() or t.is_neg() or t.is_quantized):
+        return False
+    nbytes = t.untyped_storage().nbytes()
+    return nbytes > 0 and nbytes % t.element_size() == 0
+
+
 class HostResidual:
     """A saved tensor offloaded to host memory: which buffer of its group, and its layout."""
 
@@ -329,8 +334,8 @@ class HostResidual:
         return self.group.read(self)
 
     def fresh(self) -> bool:
-        """Not modified in place since it was saved (a value kept only for the replay that
-        was is recomputed instead: packs.py Rule 2b)."""
+        """Not modified in place since it was saved. (The replay recomputes a value it would
+        read that is not fresh: packs.py Rule 2b.)"""
         group = self.group
         return not (group.written or group.outputs) or not group.modified(self.index)
 

@@ -1,9 +1,13 @@
 """Host buffers for offloaded residuals, reused across steps (``ckptfx.offload``, Rule 4).
 
-One pool per device (and per kind of host memory): its buffers are only ever written and read
-by copies on that device's side stream, in issue order, so a buffer handed back while a copy
-out of it is still queued can be handed out again at once: the next copy into it is queued
-after that one.
+One pool per device, kind of host memory and stream: its buffers are only ever written and
+read by copies on that stream (the device's side stream), in issue order, so a buffer handed
+back while a copy out of it is still queued can be handed out again at once: the next copy
+into it is queued after that one.
+
+Sizes are rounded up to classes (eight per power of two: at most 1/8 more than asked), so
+steps whose shapes vary reuse buffers, and the cached bytes never exceed twice the most the
+pool's residuals ever held at once: a buffer handed back past that is freed instead.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import torch
 
 from ckptfx.kernel.frame import CheckpointError
 
-__all__ = ["HostPool", "OffloadPoolStats", "empty_offload_pool", "offload_pool_stats", "pool_for"]
+__all__ = ["HostPool", "OffloadPoolStats", "empty_offload_pool", "offload_pool_stats", "pool_for",
+           "size_class"]
 
 
 class OffloadPoolStats(NamedTuple):
@@ -36,8 +41,16 @@ class OffloadPoolStats(NamedTuple):
     allocations: int
 
 
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to its class: a multiple of 4 KiB, and of 1/8 of its power of
+    two above that."""
+    step = max(4096, 1 << max(0, nbytes.bit_length() - 4))
+    return -(-nbytes // step) * step
+
+
 class HostPool:
-    """Free host buffers (1-D uint8) of one device and one kind of memory, by byte size."""
+    """Free host buffers (1-D uint8) of one device, one kind of memory and one stream, by
+    size class."""
 
     def __init__(self, device: torch.device, pinned: bool) -> None:
         self.device = device
@@ -46,15 +59,18 @@ class HostPool:
         self._lock = threading.Lock()
         self.in_use = 0
         self.cached = 0
+        self.most_in_use = 0  # twice this caps the cached bytes
         self.allocations = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """A host buffer of exactly ``nbytes`` bytes: a free one, else a new one."""
+        """A host buffer of at least ``nbytes`` bytes (its size class): a free one, else a
+        new one."""
+        nbytes = size_class(nbytes)
         with self._lock:
             free = self._free.get(nbytes)
             if free:
                 self.cached -= nbytes
-                self.in_use += nbytes
+                self._use(nbytes)
                 return free.pop()
         try:
             buf = self._allocate(nbytes)
@@ -66,12 +82,17 @@ class HostPool:
                 "(ckptfx.empty_offload_pool() releases the buffers kept for later steps), "
                 "offload less (a smaller offload budget, fewer names, a larger "
                 "Offload(min_bytes=...))" + (", or offload to pageable memory "
-                                             "(offload_dst='cpu')" if self.pinned else "")
+                                             "(offload_dst='cpu'; its copies do not overlap "
+                                             "the computation)" if self.pinned else "")
             ) from err
         with self._lock:
-            self.in_use += nbytes
+            self._use(nbytes)
             self.allocations += 1
         return buf
+
+    def _use(self, nbytes: int) -> None:
+        self.in_use += nbytes
+        self.most_in_use = max(self.most_in_use, self.in_use)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pinned)
@@ -81,6 +102,8 @@ class HostPool:
         nbytes = buf.numel()
         with self._lock:
             self.in_use -= nbytes
+            if self.cached + nbytes > 2 * self.most_in_use:
+                return  # over the cap: freed (torch's host allocator waits for its copies)
             self.cached += nbytes
             self._free.setdefault(nbytes, []).append(buf)
 
@@ -88,15 +111,17 @@ class HostPool:
         with self._lock:
             self._free.clear()
             self.cached = 0
+            self.most_in_use = self.in_use
 
 
-_pools: dict[tuple[torch.device, bool], HostPool] = {}
+_pools: dict[tuple[torch.device, bool, int], HostPool] = {}
 _pools_lock = threading.Lock()
 
 
-def pool_for(device: torch.device, pinned: bool) -> HostPool:
-    """The pool of host buffers for residuals of ``device`` (pinned or pageable)."""
-    key = (device, pinned)
+def pool_for(device: torch.device, pinned: bool, stream: torch.Stream) -> HostPool:
+    """The pool of host buffers for residuals of ``device`` (pinned or pageable) copied on
+    ``stream``."""
+    key = (device, pinned, stream.stream_id)
     pool = _pools.get(key)
     if pool is None:
         with _pools_lock:

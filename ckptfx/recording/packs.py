@@ -40,7 +40,7 @@ import torch
 
 from ckptfx import _compat
 from ckptfx.kernel.frame import CheckpointError, Frame, Holder
-from ckptfx.offload.groups import HostGroup, HostResidual, group_for
+from ckptfx.offload.groups import HostGroup, HostResidual, can_offload, group_for
 from ckptfx.policies.protocol import Offload
 from ckptfx.recording.segment import Segment, describe_value
 
@@ -254,20 +254,19 @@ class PackSide:
         report under ``x``."""
         if isinstance(decision, Offload):
             device = kept.device
-            big = kept.numel() * kept.element_size() >= decision.min_bytes
-            if device.type == "cpu" and big:  # host memory already: kept as it is
+            if device.type == "cpu":
+                # Host memory already: kept as it is, and reported as the policy answered
+                # (as JAX lists it), whatever its size.
                 self._note("offloaded", x, slot, version)
                 return _Kept(kept)
-            if big:
+            if kept.numel() * kept.element_size() >= decision.min_bytes and can_offload(kept):
                 pinned = self.pinned and decision.dst == "pinned_host"
                 key = (device, pinned)
                 group = group_for(self.hosts.get(key), device, pinned, self.frame,
                                   decision.prefetch)
                 self.hosts[key] = group
-                residual = group.offload(kept)
-                if residual is not None:
-                    self._note("offloaded", x, slot, version)
-                    return residual
+                self._note("offloaded", x, slot, version)
+                return group.offload(kept)
         self._note("saved", x, slot, version)
         return _Kept(kept)
 

@@ -126,8 +126,10 @@ _RECORD = "record"  # entry: every call with this signature is recorded
 
 
 def keeps_nothing(policy: Any) -> bool:
-    """True for the policies of Rule 1 (``None`` is ``nothing_saveable``, as remat has it)."""
-    return policy is None or (isinstance(policy, MemoryBudget) and policy.fraction == 0.0)
+    """True for the policies of Rule 1 (``None`` is ``nothing_saveable``, as remat has it;
+    a budget of nothing that may offload keeps something)."""
+    return policy is None or (isinstance(policy, MemoryBudget) and policy.fraction == 0.0
+                              and not policy.offload)
 
 
 class Plan:

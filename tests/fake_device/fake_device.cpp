@@ -25,8 +25,9 @@
 // 4. While the stream log is on (stream_log_start), every copy between a device and host
 //    memory, every event recorded and every wait on an event is logged with the stream it was
 //    issued on, in issue order: ("d2h" | "h2d", device, stream id, bytes), ("record", device,
-//    stream id, event id), ("wait", device, stream id, event id), and every host wait
-//    ("sync", device, stream id or -1, event id or 0). Stream 0 is the default.
+//    stream id, event id), ("wait", device, stream id, event id), every record_stream
+//    ("record_stream", device, stream id, storage bytes) and every host wait ("sync",
+//    device, stream id or -1, event id or 0). Stream 0 is the default.
 
 #include <torch/extension.h>
 
@@ -637,6 +638,12 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+// Tensor.record_stream: the allocator would not reuse the memory before the work queued on
+// the stream when it is freed has run; here every op has run when called (Rule 4 logs it).
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  log_entry("record_stream", stream.device_index(), stream.id(), int64_t(self.storage().nbytes()));
+}
+
 }  // namespace fake_device
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
@@ -648,6 +655,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty_strided", &fake_device::empty_strided);
   m.impl("_copy_from", &fake_device::copy_from);
   m.impl("_copy_from_and_resize", &fake_device::copy_from_and_resize);
+  m.impl("record_stream", &fake_device::record_stream);
   m.impl("resize_", &fake_device::resize_);
   m.impl("set_.source_Storage_storage_offset", &fake_device::set_storage);
   m.impl("set_.source_Storage", &fake_device::set_source_storage);
