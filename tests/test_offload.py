@@ -623,3 +623,43 @@ def test_copied_and_reloaded_memory_is_handed_to_the_allocator_with_the_side_str
     assert len(side) == 1 and 0 not in side
     assert [e[3] for e in recorded if e[2] in side].count(B * WIDTHS[0] * 4) == 2  # out, back
     assert len([e for e in recorded if e[2] in side]) == 2 * len(WIDTHS)
+
+
+@needs_accelerator
+def test_apply_activation_checkpointing_offloads_a_model_budget() -> None:
+    from ckptfx.bench.blocks import Block
+
+    device = _device()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ModuleList(Block(32) for _ in range(3))).to(device)
+    layers = model[0]
+    params = list(model.parameters())
+    x = torch.randn(4, 512, 32).to(device).requires_grad_()
+
+    def step() -> list[torch.Tensor]:
+        h = x
+        for layer in layers:
+            h = layer(h)
+        return list(torch.autograd.grad(h.square().sum(), [x, *params]))
+
+    expected = step()
+    ckptfx.apply_activation_checkpointing(model, memory_budget=0.1, offload=0.5)
+    step()  # plans
+    with _stream_log() as log:
+        got = step()
+    assert [e for e in log if e[0] == "d2h"]  # what the budget could not keep went to host
+    assert_bitwise(got, expected)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"offload": 0.2}, ValueError, "offload= is the host share of memory_budget="),
+    ({"memory_budget": 0.2, "offload": "a"}, TypeError, "offload"),
+    ({"memory_budget": 0.2, "offload": 1.5}, ValueError, "offload")])
+def test_apply_activation_checkpointing_checks_offload(kwargs: dict, error: type,
+                                                       match: str) -> None:
+    from ckptfx.bench.blocks import MLPBlock
+
+    model = torch.nn.Sequential(torch.nn.ModuleList(MLPBlock(8, 16) for _ in range(2)))
+    with pytest.raises(error, match=match):
+        ckptfx.apply_activation_checkpointing(model, **kwargs)
+    assert not any(ckptfx.unwrap_checkpoint(m) is not m for m in model.modules())

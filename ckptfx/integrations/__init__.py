@@ -83,6 +83,7 @@ def apply_activation_checkpointing(
     check_fn: Callable[[nn.Module], bool] | None = None,
     *,
     memory_budget: float | None = None,
+    offload: float | None = None,
     early_stop: bool = True,
 ) -> M:
     """Checkpoint ``model``'s repeated blocks in place; returns ``model``.
@@ -102,13 +103,19 @@ def apply_activation_checkpointing(
             blocks together keep at most that fraction of what ``everything_saveable``
             would keep in them, spread over the blocks where it saves the most recompute
             (``ckptfx.memory_budget_policies``; 0.0 keeps nothing, 1.0 everything).
+        offload: with ``memory_budget``, the fraction of the same bytes the blocks may keep
+            in host memory besides (``memory_budget(fraction, offload=...)``: values that
+            would be recomputed go to the host instead, copied beside the computation).
+            ``None`` (default) offloads nothing. With a ``policy``, offload with an offload
+            policy instead (``checkpoint_policies.offload_dot_with_no_batch_dims()``).
         early_stop: as in ``ckptfx.checkpoint``.
 
     Raises:
         TypeError: ``model`` is not a module, ``check_fn`` is not callable, ``policy``
-            is not a policy, or ``memory_budget`` is not a number.
+            is not a policy, or ``memory_budget`` or ``offload`` is not a number.
         ValueError: no block was found, ``check_fn`` matched no module, ``memory_budget``
-            is outside ``[0, 1]``, or both ``policy`` and ``memory_budget`` were given.
+            or ``offload`` is outside ``[0, 1]``, both ``policy`` and ``memory_budget``
+            were given, or ``offload`` without ``memory_budget``.
 
     Calling it again updates the policy of the blocks it finds. Each block can be undone
     with ``ckptfx.unwrap_checkpoint`` (Hugging Face models:
@@ -126,6 +133,9 @@ def apply_activation_checkpointing(
 
         # a budget instead of a policy: keep at most 30% of what saving everything would
         ckptfx.apply_activation_checkpointing(model, memory_budget=0.3)
+
+        # and 20% more of it in host memory, where it saves recomputing
+        ckptfx.apply_activation_checkpointing(model, memory_budget=0.3, offload=0.2)
 
         # your own model: say which modules are the blocks
         ckptfx.apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, MyBlock))
@@ -158,8 +168,15 @@ def apply_activation_checkpointing(
             "apply_activation_checkpointing takes policy= or memory_budget=, not both: a "
             "budget chooses each block's policy itself"
         )
+    if offload is not None and memory_budget is None:
+        raise ValueError(
+            "apply_activation_checkpointing: offload= is the host share of memory_budget=; "
+            "pass memory_budget= too, or, with a policy, offload with an offload policy "
+            "(ckptfx.checkpoint_policies.offload_dot_with_no_batch_dims())"
+        )
     if memory_budget is not None:
-        MemoryBudget(memory_budget)  # the fraction's checks, before anything changes
+        # the fraction's and the offload's checks, before anything changes
+        MemoryBudget(memory_budget, 0.0 if offload is None else offload)
     if check_fn is None:
         blocks, by_largest_list = _find_blocks(model)
         if by_largest_list:
@@ -185,7 +202,7 @@ def apply_activation_checkpointing(
                 f"check_fn matched no submodule of {type(model).__name__} (the model itself "
                 "is never wrapped: use ckptfx.checkpoint_wrapper(model) for that)"
             )
-    policies: list[Any] = (memory_budget_policies(blocks, memory_budget)
+    policies: list[Any] = (memory_budget_policies(blocks, memory_budget, offload or 0.0)
                            if memory_budget is not None else [policy] * len(blocks))
     layer_class = _hf_layer_class()
     hf = [(b, p) for b, p in zip(blocks, policies)
@@ -193,7 +210,8 @@ def apply_activation_checkpointing(
     if hf:
         _enable_hf(model, hf, early_stop)
         _KeepCkptfx.install(model, {"policy": policy, "check_fn": check_fn,
-                                    "memory_budget": memory_budget, "early_stop": early_stop})
+                                    "memory_budget": memory_budget, "offload": offload,
+                                    "early_stop": early_stop})
     for block, block_policy in zip(blocks, policies):
         if not (layer_class is not None and isinstance(block, layer_class)):
             options: dict[str, Any] = {"early_stop": early_stop}
@@ -348,7 +366,7 @@ class _KeepCkptfx:
     module-level class, not a closure, so that the model still pickles."""
 
     _NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
-    _OWN = ("policy", "memory_budget", "early_stop")
+    _OWN = ("policy", "memory_budget", "offload", "early_stop")
 
     def __init__(self, model: nn.Module, applied: dict[str, Any]) -> None:
         self.model = model
@@ -375,7 +393,7 @@ class _KeepCkptfx:
         if unknown:
             raise TypeError(
                 f"activation_checkpointing_kwargs: {unknown} are not options of ckptfx's "
-                "checkpointing of this model (it takes policy, memory_budget and "
+                "checkpointing of this model (it takes policy, memory_budget, offload and "
                 "early_stop; ckptfx.apply_activation_checkpointing applied it)")
         if offload:
             raise ValueError(
@@ -387,7 +405,7 @@ class _KeepCkptfx:
             raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
         options = {k: v for k, v in self.applied.items() if k != "check_fn"}
         if "policy" in kwargs or "memory_budget" in kwargs:
-            options["policy"] = options["memory_budget"] = None
+            options["policy"] = options["memory_budget"] = options["offload"] = None
         options.update(kwargs)
         check_fn = self.applied["check_fn"]
         model = self.model
