@@ -142,10 +142,10 @@ def _residuals(fun: Callable[..., Any], args: tuple, kwargs: dict
 
 
 def _release(report: list[tuple[Any, ...]]) -> None:
-    """The recorders keep the list they reported into, whose tensors hold the report call's
-    graph, whose saved-tensor hooks hold the recorders: a cycle through autograd's C++ graph
-    that gc cannot see. Cut it, or every report leaks its call (and the host buffers of what
-    it offloaded)."""
+    """A recorder keeps the list it reports into until its forward ends; one whose forward
+    did not end (it raised) still does, and the list's tensors hold the call's graph, whose
+    saved-tensor hooks hold the recorder: a cycle through autograd's C++ graph that gc cannot
+    see. Cut it, or the report leaks its call (and the host buffers of what it offloaded)."""
     for entry in report:
         entry[0].report = None
     report.clear()

@@ -388,6 +388,10 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         if torch.get_default_dtype() is not self.frame.env.default_dtype:
             self.seg.not_replayable("the default dtype changed inside the block")
         self._keep_what_the_replay_reads()
+        # The report list holds this call's tensors, so its graph, whose saved-tensor hooks
+        # hold this tracer: kept past the forward, a cycle gc cannot see through autograd's
+        # graph. The reporter reads the list, not the tracer's reference to it.
+        self.report = None
         self.seg.hosts = tuple(self.hosts.values())
         self.frame.rerun = self.seg.replay
         # Replayed block inputs cost no memory of their own (for recompute_session_stats).
