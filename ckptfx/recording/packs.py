@@ -29,6 +29,11 @@ Rules (numbered with tracer.py's, which records the ops these packs refer to: 1 
    recomputes it too. ``MUST_SAVE`` values (ops never to run twice, e.g. collectives) and
    offloaded ones stay for the graph's life. Block inputs (and views of them) are filled by
    the replay from the frame's saved inputs, so a parent checkpoint hands them out once.
+
+2c. A residual report's list (``saved_residuals``) holds the reported call's tensors, so
+   its graph, whose saved-tensor hooks hold the tracer: the tracer lets go of the list when
+   its forward ends (``Tracer.finish``), or the cycle, which gc cannot see through
+   autograd's graph, would keep the call (and its offloaded host buffers) alive.
 """
 
 from __future__ import annotations
@@ -269,6 +274,14 @@ class PackSide:
                 return group.offload(kept)
         self._note("saved", x, slot, version)
         return _Kept(kept)
+
+    def _before_write(self, v: Any) -> None:
+        """An op is about to write ``v`` (a tensor or a list of them) in place: copies of its
+        storage to the host finish first (ckptfx.offload Rule 3)."""
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                for group in self.hosts.values():
+                    group.before_write(t)
 
     def _note(self, kind: str, x: torch.Tensor, slot: int, version: int) -> None:
         if self.report is not None:

@@ -214,16 +214,10 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
                 v = args[i] if i < len(args) else kwargs.get(name)
                 if isinstance(v, torch.Tensor):
                     written.add(id(v))
-                    if self.hosts:  # a copy to the host may still read it (ckptfx.offload)
-                        for group in self.hosts.values():
-                            group.before_write(v)
                 elif isinstance(v, (list, tuple)):
                     written.update(id(x) for x in v if isinstance(x, torch.Tensor))
-                    if self.hosts:
-                        for group in self.hosts.values():
-                            for x in v:
-                                if isinstance(x, torch.Tensor):
-                                    group.before_write(x)
+                if self.hosts:  # a copy to the host may still read it (ckptfx.offload)
+                    self._before_write(v)
         if self.refresh:
             self._refresh()
         seq = _next_sequence_nr()
@@ -388,10 +382,7 @@ class Tracer(PackSide, _compat.TorchDispatchMode):
         if torch.get_default_dtype() is not self.frame.env.default_dtype:
             self.seg.not_replayable("the default dtype changed inside the block")
         self._keep_what_the_replay_reads()
-        # The report list holds this call's tensors, so its graph, whose saved-tensor hooks
-        # hold this tracer: kept past the forward, a cycle gc cannot see through autograd's
-        # graph. The reporter reads the list, not the tracer's reference to it.
-        self.report = None
+        self.report = None  # its tensors hold the graph, which holds this: packs.py Rule 2c
         self.seg.hosts = tuple(self.hosts.values())
         self.frame.rerun = self.seg.replay
         # Replayed block inputs cost no memory of their own (for recompute_session_stats).
