@@ -1,8 +1,9 @@
 """Small models shared by the tests (``from models import Block``; tests/ is on sys.path).
 
-``Block`` is the residual MLP block the tests checkpoint, with a counter of its runs. Test
-files whose block needs a special forward keep their own class, named by what is special
-(``TanhOutputBlock``, ``GatedBlock``, ``ModeNotingBlock``, ``FallibleKeepMaskBlock``), or
+``Block`` is the residual MLP block the tests checkpoint, with a counter of its runs;
+``TransformerBlock`` a functional transformer block (weights in a dict) for the memory-budget
+tests. Test files whose block needs a special forward keep their own class, named by what is
+special (``TanhOutputBlock``, ``GatedBlock``, ``ModeNotingBlock``, ``FallibleKeepMaskBlock``), or
 subclass ``Block`` and change how it counts (``note_run``) or what its input goes through.
 """
 
@@ -64,3 +65,33 @@ class Block(nn.Module):
         if self.p and self.dropout_on_output:
             y = F.dropout(y, self.p, self.training)
         return x + y
+
+
+class TransformerBlock:
+    """A functional pre-norm transformer block (attention and MLP, dropout on), its weights
+    in ``w``: what the memory-budget tests plan over. At d=128 the hidden values are 64 KiB
+    in fp32 (32 KiB under bf16 autocast, below the budget's 64 KiB offload minimum),
+    attention scores and the MLP's activations 128-256 KiB, norm statistics 512 bytes."""
+
+    def __init__(self, device: torch.device, seed: int = 0, d: int = 128, heads: int = 4
+                 ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        shapes = {"qkv": (d, 3 * d), "o": (d, d), "up": (d, 4 * d), "down": (4 * d, d)}
+        self.w = {k: (torch.randn(*s, generator=g) / s[0] ** 0.5).to(device).requires_grad_()
+                  for k, s in shapes.items()}
+        self.d, self.heads = d, heads
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return list(self.w.values())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w, d, heads = self.w, self.d, self.heads
+        b, s, _ = x.shape
+        h = F.layer_norm(x, (d,))
+        q, k, v = (h @ w["qkv"]).view(b, s, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        a = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, -1)
+        a = F.dropout(a, 0.1, training=True)
+        x = x + ((a @ v).transpose(1, 2).reshape(b, s, d) @ w["o"])
+        h = F.layer_norm(x, (d,))
+        return x + F.dropout(F.gelu(h @ w["up"]) @ w["down"], 0.1, training=True)

@@ -24,7 +24,7 @@ from ckptfx.budget.model import pareto
 from ckptfx.policies.tracer_stack import tracer_stack
 
 from conftest import assert_bitwise, grads
-from models import Block
+from models import Block, TransformerBlock
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
@@ -390,22 +390,8 @@ def test_a_stopped_solver_reports_a_bound(max_cuts: int, monkeypatch: pytest.Mon
 
 
 def transformer_block(d: int = 32, heads: int = 4) -> tuple[Callable[..., Any], list]:
-    g = torch.Generator().manual_seed(0)
-    w = {k: (torch.randn(*s, generator=g) / s[0] ** 0.5).requires_grad_()
-         for k, s in {"qkv": (d, 3 * d), "o": (d, d), "up": (d, 4 * d),
-                      "down": (4 * d, d)}.items()}
-
-    def block(x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        h = F.layer_norm(x, (d,))
-        q, k, v = (h @ w["qkv"]).view(b, s, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        a = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, -1)
-        a = F.dropout(a, 0.1, training=True)
-        x = x + ((a @ v).transpose(1, 2).reshape(b, s, d) @ w["o"])
-        h = F.layer_norm(x, (d,))
-        return x + F.dropout(F.gelu(h @ w["up"]) @ w["down"], 0.1, training=True)
-
-    return block, list(w.values())
+    block = TransformerBlock(torch.device("cpu"), 0, d, heads)
+    return block, block.params
 
 
 @pytest.mark.parametrize("autocast", [False, True])

@@ -27,40 +27,12 @@ from ckptfx.policies.budget_policy import MemoryBudget
 from ckptfx.policies.tracer_stack import tracer_stack
 
 from conftest import assert_bitwise, grads, maybe_autocast
+from models import TransformerBlock
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
 
 # (fraction, offload): device only, host only, both, more than everything, half and half.
 CASES = [(0.2, 0.0), (0.0, 0.3), (0.1, 0.2), (0.2, 0.3), (0.3, 0.9), (0.5, 0.5)]
-
-
-class TransformerBlock:
-    """Pre-norm attention and MLP with dropout, d=128: the hidden values are 64 KiB in fp32
-    (32 KiB under bf16 autocast, below MIN_OFFLOAD_BYTES), attention scores and the MLP's
-    activations 128-256 KiB, norm statistics 512 bytes."""
-
-    def __init__(self, device: torch.device, seed: int = 0, d: int = 128, heads: int = 4
-                 ) -> None:
-        g = torch.Generator().manual_seed(seed)
-        shapes = {"qkv": (d, 3 * d), "o": (d, d), "up": (d, 4 * d), "down": (4 * d, d)}
-        self.w = {k: (torch.randn(*s, generator=g) / s[0] ** 0.5).to(device).requires_grad_()
-                  for k, s in shapes.items()}
-        self.d, self.heads = d, heads
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return list(self.w.values())
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w, d, heads = self.w, self.d, self.heads
-        b, s, _ = x.shape
-        h = F.layer_norm(x, (d,))
-        q, k, v = (h @ w["qkv"]).view(b, s, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        a = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, -1)
-        a = F.dropout(a, 0.1, training=True)
-        x = x + ((a @ v).transpose(1, 2).reshape(b, s, d) @ w["o"])
-        h = F.layer_norm(x, (d,))
-        return x + F.dropout(F.gelu(h @ w["up"]) @ w["down"], 0.1, training=True)
 
 
 def backward(fn: Callable[..., Any], x: torch.Tensor, params: list[torch.Tensor], amp: bool,
