@@ -667,3 +667,45 @@ def test_apply_activation_checkpointing_checks_offload(kwargs: dict, error: type
     with pytest.raises(error, match=match):
         ckptfx.apply_activation_checkpointing(model, **kwargs)
     assert not any(ckptfx.unwrap_checkpoint(m) is not m for m in model.modules())
+
+
+@needs_accelerator
+def test_a_value_read_by_the_replay_and_by_autograd_is_reloaded_once() -> None:
+    """gelu(x @ w1) @ w2 offloading x @ w1: the replay reads it (to recompute gelu's output)
+    and gelu's backward unpacks it: one copy back serves both."""
+    device = _device()
+    g = torch.Generator().manual_seed(8)
+    w1 = (torch.randn(D, 4 * D, generator=g) / 6).to(device).requires_grad_()
+    w2 = (torch.randn(4 * D, D, generator=g) / 6).to(device).requires_grad_()
+    x = torch.randn(4 * B, D, generator=g).to(device)
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x @ w1) @ w2
+
+    expected = torch.autograd.grad(mlp(x).sum(), [w1, w2])
+    out = ckptfx.remat(mlp, policy=cp.offload_dot_with_no_batch_dims())(x)
+    with _stream_log() as log:
+        got = torch.autograd.grad(out.sum(), [w1, w2])
+    assert [e[3] for e in log if e[0] == "h2d" and e[2] != 0] == [4 * B * 4 * D * 4]
+    assert_bitwise(got, expected)
+
+
+@needs_accelerator
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad"])
+def test_torch_func_over_an_offloading_block_on_the_device_is_bitwise(transform: str) -> None:
+    device = _device()
+    g = torch.Generator().manual_seed(9)
+    x, w, w2 = (torch.randn(16, 16, generator=g).to(device) for _ in range(3))
+
+    def body(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return (F.gelu(x @ w) @ w2).sum()
+
+    block = ckptfx.remat(body, policy=_offload_matmuls(min_bytes=0))
+
+    def run(f: Callable[..., torch.Tensor]) -> Any:
+        grad = torch.func.grad(f, argnums=(1, 2))
+        if transform == "vmap_grad":
+            return torch.func.vmap(grad, in_dims=(0, None, None))(x.view(4, 4, 16), w, w2)
+        return grad(x, w, w2)
+
+    assert_bitwise(list(run(block)), list(run(body)))

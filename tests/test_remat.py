@@ -852,8 +852,27 @@ def test_static_argnums_pointing_at_a_tensor_is_a_value_error() -> None:
         ckptfx.remat(lambda x, y: x * y, static_argnames="y")(x, y=torch.randn(2))
 
 
-def test_policy_returning_a_non_decision_is_a_type_error_naming_the_op() -> None:
-    # torch.mm, not @: Tensor.__matmul__ turns any TypeError into "unsupported operand".
-    block = ckptfx.remat(lambda x: torch.mm(x, x).sin(), policy=lambda ctx, op, *a, **k: "save")
-    with pytest.raises(TypeError, match="aten.mm"):
+@pytest.mark.parametrize("call", ["mm", "@"])
+def test_policy_returning_a_non_decision_is_an_error_naming_the_op(call: str) -> None:
+    """A CheckpointError, not a TypeError: Tensor.__matmul__ turns a TypeError into Python's
+    "unsupported operand type(s) for @", which names neither the policy nor the op."""
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return (torch.mm(x, x) if call == "mm" else x @ x).sin()
+
+    block = ckptfx.remat(body, policy=lambda ctx, op, *a, **k: "save")
+    with pytest.raises(ckptfx.CheckpointError, match="returned 'save' .*aten.mm"):
         block(torch.randn(3, 3, requires_grad=True))
+    returns_the_class = ckptfx.remat(body, policy=lambda ctx, op, *a, **k: ckptfx.Offload)
+    with pytest.raises(ckptfx.CheckpointError, match=r"call it: ckptfx.Offload\(\)"):
+        returns_the_class(torch.randn(3, 3, requires_grad=True))
+
+    def raises(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("my policy's own bug")
+    with pytest.raises(ckptfx.CheckpointError, match="raised a TypeError .*my policy's own bug"):
+        ckptfx.remat(body, policy=raises)(torch.randn(3, 3, requires_grad=True))
+
+
+@pytest.mark.parametrize("policy", [ckptfx.Offload, ckptfx.Offload()], ids=["class", "instance"])
+def test_an_offload_given_as_the_policy_says_it_is_an_answer(policy: Any) -> None:
+    with pytest.raises(TypeError, match="an Offload is what a policy returns for an op"):
+        ckptfx.remat(lambda x: x.sin(), policy=policy)

@@ -232,7 +232,11 @@ class InjectMode(_compat.TorchDispatchMode):
                 if isinstance(x, _Kept):
                     t = _unwrap(next(it))
                     if isinstance(x, _OnHost):
-                        t = t.to(x.device, non_blocking=True)
+                        # Back on its device outside the transforms: made under functorch's
+                        # layers, the copy would be wrapped at this level and could not be
+                        # injected below it.
+                        with torch._C._DisableFuncTorch():
+                            t = t.to(x.device, non_blocking=True)
                     if t.shape != x.shape or t.dtype != x.dtype:
                         return  # kept values do not line up with this replay: recompute all
                     filled.append(t)

@@ -57,9 +57,11 @@ Rules
 6. How long a reload stays: for a frame registered to a recompute session (a prefire, a
    ``recompute_session_ctx``, ``vjp_split``, ``ckptfx.pipelining``), until the session is
    cleared, so dx and every dw call read one reload. Otherwise each buffer is held until every
-   residual that refers to it has been read once, then only weakly (while autograd still
-   holds the tensors it unpacked); a later read that finds it gone (a second backward with
-   ``retain_graph``) reloads that buffer.
+   residual that refers to it has been read once (by autograd's unpack; by the replay only
+   for a value kept just for the replay: a value both read leaves the replay's read
+   uncounted, so autograd's unpack after it finds the same reload), then only weakly (while
+   autograd still holds the tensors it unpacked); a later read that finds it gone (a second
+   backward with ``retain_graph``) reloads that buffer.
 7. Nothing outlives the graph: a group belongs to the residuals of one block call and dies
    with them, handing its host buffers back to the pool; its device memory went to the
    allocator with its streams recorded (Rules 3 and 5), so nothing waits on the host.

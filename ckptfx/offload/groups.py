@@ -196,7 +196,7 @@ class HostGroup:
 
     # the backward -----------------------------------------------------------------------
 
-    def read(self, residual: "HostResidual") -> torch.Tensor:
+    def read(self, residual: "HostResidual", counts: bool) -> torch.Tensor:
         """The device tensor of ``residual``: reloaded if needed, on the current stream after
         the reload's event (Rules 5 and 6)."""
         buffers = self.buffers
@@ -217,7 +217,8 @@ class HostGroup:
             assert buf is not None
             event = buffers.h2d[index]
             read_by = buffers.read_by[index]
-            read_by.add(id(residual))
+            if counts:
+                read_by.add(id(residual))
             if self.session is None and len(read_by) >= buffers.left[index]:
                 buffers.dev[index] = None  # read by all: kept weakly from now on (Rule 6)
         if not self.started:
@@ -319,7 +320,8 @@ def can_offload(t: torch.Tensor) -> bool:
 class HostResidual:
     """A saved tensor offloaded to host memory: which buffer of its group, and its layout."""
 
-    __slots__ = ("group", "index", "dtype", "shape", "stride", "offset", "__weakref__")
+    __slots__ = ("group", "index", "dtype", "shape", "stride", "offset", "replay_only",
+                 "__weakref__")
 
     def __init__(self, group: HostGroup, index: int, dtype: torch.dtype, shape: torch.Size,
                  stride: tuple[int, ...], offset: int) -> None:
@@ -329,9 +331,16 @@ class HostResidual:
         self.shape = shape
         self.stride = stride
         self.offset = offset
+        self.replay_only = False  # kept only because the replay reads it (packs.py Rule 2b)
 
     def get(self) -> torch.Tensor:
-        return self.group.read(self)
+        """Autograd unpacks it: a read that counts toward letting the reload go (Rule 6)."""
+        return self.group.read(self, counts=True)
+
+    def value(self) -> torch.Tensor:
+        """The replay reads it: its last read if only the replay reads it; else autograd's
+        own unpack is still to come, and the reload stays for it (Rule 6)."""
+        return self.group.read(self, counts=self.replay_only)
 
     def fresh(self) -> bool:
         """Not modified in place since it was saved. (The replay recomputes a value it would

@@ -300,6 +300,13 @@ def check_policy(p: Any, arg: str = "policy") -> Callable[..., Any]:
             f"{arg}=checkpoint_policies.{p.__name__} is a policy factory, not a policy: call "
             f"it, e.g. {arg}=checkpoint_policies.{hint}"
         )
+    if p is Offload or isinstance(p, Offload):
+        raise TypeError(
+            f"{arg}={'Offload' if p is Offload else repr(p)}: an Offload is what a policy "
+            f"returns for an op, not a policy: e.g. {arg}=lambda ctx, op, *args, **kwargs: "
+            "ckptfx.Offload() if op is torch.ops.aten.mm.default else False, or "
+            f"{arg}=checkpoint_policies.offload_dot_with_no_batch_dims()"
+        )
     if isinstance(p, type) and issubclass(p, Policy):
         raise TypeError(
             f"{arg}={p.__name__} is a policy class, not a policy: pass an instance, "

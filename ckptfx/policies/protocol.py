@@ -32,6 +32,7 @@ from typing import Any, Callable, Union
 
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ckptfx.kernel.frame import CheckpointError
 from ckptfx.policies.names import checkpoint_name
 
 __all__ = ["Decision", "MUST_SAVE", "Offload", "Policy", "call_policy", "decide",
@@ -97,16 +98,20 @@ for _name in ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"):
 
 
 def decide(result: Any, op: Any) -> Decision:
-    """Normalise a policy's answer for ``op``; anything else is a ``TypeError``."""
+    """Normalise a policy's answer for ``op``; anything else is a ``CheckpointError``. (Not
+    a ``TypeError``: asked inside ``a @ b``, one would turn into Python's "unsupported
+    operand type(s) for @", which names neither the policy nor the fix.)"""
     if result is True or result is False:
         return result
     if isinstance(result, Offload):
         return result
     decision = _ENUM_DECISIONS.get(result) if isinstance(result, CheckpointPolicy) else None
     if decision is None:
-        raise TypeError(
+        hint = " (call it: ckptfx.Offload())" if result is Offload else ""
+        raise CheckpointError(
             f"checkpoint policy returned {result!r} ({type(result).__name__}) for op {op}; "
-            "expected a bool, a torch.utils.checkpoint.CheckpointPolicy or ckptfx Offload"
+            f"expected a bool, a torch.utils.checkpoint.CheckpointPolicy or ckptfx Offload"
+            f"{hint}"
         )
     return decision
 
@@ -132,7 +137,13 @@ def call_policy(policy: Callable[..., Any], ctx: Any, op: Any, args: tuple,
     """Ask ``policy`` about ``op``; foreign policies are not asked about names."""
     if op is checkpoint_name and not isinstance(policy, Policy):
         return False
-    return decide(policy(ctx, op, *args, **kwargs), op)
+    try:
+        result = policy(ctx, op, *args, **kwargs)
+    except TypeError as err:  # as decide's: it would leave ``a @ b`` as a bare TypeError
+        raise CheckpointError(
+            f"the checkpoint policy {getattr(policy, '__name__', policy)!r} raised a "
+            f"TypeError when asked about op {op}: {err}") from err
+    return decide(result, op)
 
 
 def referenced_names(policy: Any) -> frozenset[str]:

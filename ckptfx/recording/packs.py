@@ -80,6 +80,8 @@ class _Kept:
     def get(self) -> torch.Tensor:
         return _check_version(self.tensor, self.version)
 
+    value = get  # what the replay reads (``HostResidual.value``: not an autograd read)
+
     def fresh(self) -> bool:
         """Still the value it was when kept (a single-use value rewritten is recomputed)."""
         return self.tensor._version == self.version
@@ -314,6 +316,8 @@ class PackSide:
                 t, _, decision = h
                 t = t.detach()  # outside the mode: shares the version counter _Kept checks
                 packed = self._packed(t, t, decision, slot, version)
+                if packed.__class__ is HostResidual:
+                    packed.replay_only = True  # its read by the replay is its last
                 (seg.single_use if decision is True else seg.extra).append(packed)
                 seg.kept[sv] = weakref.ref(packed)
                 continue

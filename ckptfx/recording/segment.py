@@ -191,7 +191,7 @@ class Segment:
                 leaves = list(op.leaves)
                 for j, slot, version in op.inputs:
                     kept = available.get((slot, version))
-                    leaves[j] = vals[slot] if kept is None else kept.get()
+                    leaves[j] = vals[slot] if kept is None else kept.value()
                 args, kwargs = _unflatten(op.spec, leaves)
                 rng = op.rng
                 if rng is not None:
@@ -217,7 +217,7 @@ class Segment:
         values = []
         for pos, sv in targets:
             kept = available.get(sv)
-            t = vals[sv[0]] if kept is None else kept.get()
+            t = vals[sv[0]] if kept is None else kept.value()
             if pos >= 0:
                 tensors[pos] = t
             else:
