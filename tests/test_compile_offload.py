@@ -294,7 +294,9 @@ def user_pass(gm: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModu
 USER_PASS_RUNS = [0]
 
 
-def test_config_is_patched_inside_and_restored_after_exit_and_error() -> None:
+def test_config_is_patched_inside_and_restored_after_exit_and_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # prefetch's CUDA check
     with functorch_config.patch(joint_custom_pass=user_pass, activation_offload_cpu_gpu_bw=9.0):
         before = config_now()
         opt_in = lowering.offload_in_compile(prefetch=True, bandwidth_gbps=20)
@@ -347,6 +349,8 @@ def test_the_policy_offloads_only_while_aot_autograd_traces_inside_the_opt_in() 
     ({"prefetch": True, "bandwidth_gbps": 0}, ValueError, "positive finite"),
     ({"prefetch": True, "bandwidth_gbps": float("inf")}, ValueError, "positive finite"),
     ({"bandwidth_gbps": 10.0}, ValueError, "read by prefetch only"),
+    pytest.param({"prefetch": True}, ValueError, "prefetch=True needs CUDA",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_bad_arguments_raise_and_change_nothing(kwargs: dict[str, Any], error: type,
                                                 match: str) -> None:

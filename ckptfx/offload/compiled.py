@@ -187,7 +187,8 @@ def offload_in_compile(*, separate_stream: bool = True, sink_wait: bool = False,
             per-block compiles, no saving for a whole-model graph). Needs ``separate_stream``.
         prefetch: start each reload early enough in the backward to hide it behind compute;
             where is chosen from op times measured while compiling, so the backward graph's
-            order (never its values) can differ between runs. Needs ``separate_stream``.
+            order (never its values) can differ between runs. Needs ``separate_stream``, and
+            CUDA: torch 2.13 times the ops with ``torch.cuda`` (elsewhere its compile fails).
         bandwidth_gbps: the host-device bandwidth (GB/s) prefetch plans with (torch's
             default, 50, if None). Needs ``prefetch``.
 
@@ -196,7 +197,7 @@ def offload_in_compile(*, separate_stream: bool = True, sink_wait: bool = False,
         policy = ckptfx.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=["attn"], names_which_can_be_offloaded=["mlp"])
         model = torch.compile(Model(block=ckptfx.remat(block, policy=policy)))
-        with ckptfx.offload_in_compile(prefetch=True):
+        with ckptfx.offload_in_compile():    # prefetch=True too, on CUDA
             for batch in loader:              # the first step compiles: "mlp" values go
                 model(batch).sum().backward() # to the host, "attn" ones stay
     """
@@ -218,6 +219,10 @@ def offload_in_compile(*, separate_stream: bool = True, sink_wait: bool = False,
         if not prefetch:
             raise ValueError("offload_in_compile: bandwidth_gbps is read by prefetch only: "
                              "pass prefetch=True")
+    if prefetch and not torch.cuda.is_available():
+        raise ValueError("offload_in_compile: prefetch=True needs CUDA: torch 2.13 plans the "
+                         "reloads by timing ops with torch.cuda (on another accelerator its "
+                         "compile fails); leave prefetch=False, or use sink_wait=True")
     missing = [k for k in _OFFLOAD_KEYS if not hasattr(_functorch_config, k)]
     if missing:
         raise CheckpointError(
