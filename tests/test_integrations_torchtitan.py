@@ -113,9 +113,13 @@ def _apply(tt: SimpleNamespace, model: nn.Module, variant: str) -> None:
         "full": tt.ac.CkptfxAC.Config(),
         "dots_saveable": tt.ac.CkptfxAC.Config(policy="dots_saveable"),
         "memory_budget": tt.ac.CkptfxAC.Config(memory_budget=0.3),
-    }.get(variant, "function")
+        "budget_offload": tt.ac.CkptfxAC.Config(memory_budget=0.1, offload=0.4),
+        "offload_policy_name": tt.ac.CkptfxAC.Config(policy="offload_dot_with_no_batch_dims"),
+    }.get(variant, variant)
     if config == "function":  # the function path, with a policy object
         tt.ac.apply_ac(model, policy=cp.dots_with_no_batch_dims_saveable)
+    elif config == "function_offload":
+        tt.ac.apply_ac(model, memory_budget=0.1, offload=0.4)
     elif config is not None:
         config.build(dump_folder="").apply(model)
 
@@ -176,7 +180,8 @@ def plain_run(tt: SimpleNamespace) -> tuple:
 
 
 @pytest.mark.parametrize("variant", ["torchtitan_full", "full", "dots_saveable",
-                                     "memory_budget", "function"])
+                                     "memory_budget", "function", "budget_offload",
+                                     "offload_policy_name", "function_offload"])
 def test_training_steps_are_bitwise_those_without_checkpointing(
         tt: SimpleNamespace, plain_run: tuple, variant: str) -> None:
     ref_grads, ref_params, ref_runs, ref_ops = plain_run
@@ -276,6 +281,8 @@ def test_torchtitans_command_line_selects_and_overrides_the_config(tt: SimpleNam
     ({"memory_budget": "half"}, TypeError, ["memory_budget"]),
     ({"early_stop": "yes"}, TypeError, ["early_stop"]),
     ({"determinism_check": "strict"}, ValueError, ["determinism_check"]),
+    ({"offload": 0.2}, ValueError, ["offload", "memory_budget"]),
+    ({"memory_budget": 0.2, "offload": 2.0}, ValueError, ["offload"]),
 ])
 def test_bad_config_is_refused_when_made(tt: SimpleNamespace, kwargs: dict, error: type,
                                          words: list[str]) -> None:

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -131,9 +132,12 @@ class CkptfxAC(_ActivationCheckpointing):
         """``policy``: the name of a ``ckptfx.checkpoint_policies`` policy
         (``"dots_saveable"``, ``"nothing_saveable"``, ...; from Python also a policy
         object, e.g. ``checkpoint_policies.save_only_these_names("attn")``); ``None``: a full
-        checkpoint. ``memory_budget``: instead of a policy, the fraction in ``[0, 1]`` of
-        what ``everything_saveable`` would keep that all the blocks together keep.
-        ``early_stop``: as in ``ckptfx.checkpoint``. The other fields are torchtitan's.
+        checkpoint; a factory whose arguments all have defaults is called
+        (``"offload_dot_with_no_batch_dims"``). ``memory_budget``: instead of a policy, the
+        fraction in ``[0, 1]`` of what ``everything_saveable`` would keep that all the blocks
+        together keep on the device; ``offload``, with it, the fraction they may keep in host
+        memory besides (``memory_budget(fraction, offload=...)``). ``early_stop``: as in
+        ``ckptfx.checkpoint``. The other fields are torchtitan's.
 
         Example::
 
@@ -142,10 +146,11 @@ class CkptfxAC(_ActivationCheckpointing):
 
         policy: str | None = None
         memory_budget: float | None = None
+        offload: float | None = None
         early_stop: bool = True
 
         def __post_init__(self) -> None:
-            _checked_options(self.policy, self.memory_budget, self.early_stop,
+            _checked_options(self.policy, self.memory_budget, self.offload, self.early_stop,
                              self.determinism_check, self.debug, self.preserve_rng_state)
 
     def __init__(self, config: CkptfxAC.Config, dump_folder: str = "") -> None:
@@ -156,10 +161,11 @@ class CkptfxAC(_ActivationCheckpointing):
         """Checkpoint one block in place and return it (the same module). With a
         ``memory_budget``, a block wrapped alone keeps at most that fraction of its own."""
         c = self.config
-        policy = _checked_options(c.policy, c.memory_budget, c.early_stop,
+        policy = _checked_options(c.policy, c.memory_budget, c.offload, c.early_stop,
                                   c.determinism_check, c.debug, c.preserve_rng_state)
         if c.memory_budget is not None:
-            policy = checkpoint_policies.memory_budget(float(c.memory_budget))
+            policy = checkpoint_policies.memory_budget(float(c.memory_budget),
+                                                       float(c.offload or 0.0))
         _check_block(module, base_fqn or type(module).__name__)
         return _wrap(module, policy, c)
 
@@ -171,7 +177,7 @@ class CkptfxAC(_ActivationCheckpointing):
             CkptfxAC.Config().build(dump_folder="").apply(model)
         """
         c = self.config
-        _apply(model, c.policy, c.memory_budget, c)
+        _apply(model, c.policy, c.memory_budget, c.offload, c)
         _tt_logger.info(f"Applied {type(self).__name__} activation checkpointing to the model")
 
 
@@ -180,6 +186,7 @@ def apply_ac(
     policy: Callable[..., Any] | str | None = None,
     *,
     memory_budget: float | None = None,
+    offload: float | None = None,
     early_stop: bool = True,
     preserve_rng_state: bool = True,
     determinism_check: str = "default",
@@ -195,13 +202,16 @@ def apply_ac(
             selective-checkpoint policy function); ``None``: a full checkpoint.
         memory_budget: instead of ``policy``, a whole-model budget in ``[0, 1]`` (the blocks
             keep at most that fraction of what ``everything_saveable`` would).
+        offload: with ``memory_budget``, the fraction of the same bytes they may keep in
+            host memory besides (``ckptfx.memory_budget_policies(..., offload=)``).
         early_stop, preserve_rng_state, determinism_check, debug: as in
             ``ckptfx.checkpoint``.
 
     Raises:
         TypeError: a policy factory or a non-policy, or an option of the wrong type.
         ValueError: an unknown policy name, both ``policy`` and ``memory_budget``, a budget
-            outside ``[0, 1]``, no ``layers``, or a block torch already checkpoints.
+            or offload outside ``[0, 1]``, ``offload`` without ``memory_budget``, no
+            ``layers``, or a block torch already checkpoints.
 
     Example::
 
@@ -213,7 +223,7 @@ def apply_ac(
     """
     options = _Options(early_stop=early_stop, preserve_rng_state=preserve_rng_state,
                        determinism_check=determinism_check, debug=debug)
-    _apply(model, policy, memory_budget, options)
+    _apply(model, policy, memory_budget, offload, options)
     return model
 
 
@@ -282,8 +292,8 @@ class _Options:
     debug: bool
 
 
-def _checked_options(policy: Any, memory_budget: Any, early_stop: Any, determinism_check: Any,
-                     debug: Any, preserve_rng_state: Any) -> Any:
+def _checked_options(policy: Any, memory_budget: Any, offload: Any, early_stop: Any,
+                     determinism_check: Any, debug: Any, preserve_rng_state: Any) -> Any:
     """The policy ``policy`` names (or is), after every option is checked."""
     for name, value in (("early_stop", early_stop), ("debug", debug),
                         ("preserve_rng_state", preserve_rng_state)):
@@ -292,13 +302,20 @@ def _checked_options(policy: Any, memory_budget: Any, early_stop: Any, determini
     if determinism_check not in _DETERMINISM_CHECKS:
         raise ValueError(f"determinism_check must be one of {_DETERMINISM_CHECKS}, got "
                          f"{determinism_check!r}")
+    if offload is not None and memory_budget is None:
+        raise ValueError("offload is the host share of memory_budget: give memory_budget too "
+                         "(or, with a policy, an offload policy such as "
+                         "policy='offload_dot_with_no_batch_dims')")
     if memory_budget is not None:
         if policy is not None:
             raise ValueError("give policy or memory_budget, not both: a budget chooses each "
                              "block's policy itself")
         if isinstance(memory_budget, int) and not isinstance(memory_budget, bool):
             memory_budget = float(memory_budget)  # a config file's 0 or 1
-        MemoryBudget(memory_budget)  # its TypeError/ValueError name the fraction
+        if isinstance(offload, int) and not isinstance(offload, bool):
+            offload = float(offload)
+        # their TypeError/ValueError name the fraction and the offload
+        MemoryBudget(memory_budget, 0.0 if offload is None else offload)
         return None
     if isinstance(policy, str):
         return _policy_named(policy)
@@ -314,6 +331,10 @@ def _policy_named(name: str) -> Any:
     if chosen is None:
         raise ValueError(f"policy: unknown policy {name!r}; expected the name of one of "
                          f"ckptfx.checkpoint_policies' policies: {', '.join(ready)}")
+    if not isinstance(chosen, Policy) and callable(chosen) and all(
+            p.default is not inspect.Parameter.empty
+            for p in inspect.signature(chosen).parameters.values()):
+        return chosen()  # a factory that needs no arguments: offload_dot_with_no_batch_dims
     if not isinstance(chosen, Policy):
         raise TypeError(
             f"policy={name!r} names a policy factory, which takes arguments: pass the policy "
@@ -350,15 +371,18 @@ def _wrap(block: nn.Module, policy: Any, options: Any) -> nn.Module:
     return checkpoint_wrapper(block, **kwargs)
 
 
-def _apply(model: nn.Module, policy: Any, memory_budget: float | None, options: Any) -> None:
+def _apply(model: nn.Module, policy: Any, memory_budget: float | None, offload: float | None,
+           options: Any) -> None:
     """Check everything, then wrap every block of ``model.layers`` in place."""
-    resolved = _checked_options(policy, memory_budget, options.early_stop,
+    resolved = _checked_options(policy, memory_budget, offload, options.early_stop,
                                 options.determinism_check, options.debug,
                                 options.preserve_rng_state)
     blocks = _blocks_of(model)
     for fqn, block in blocks:
         _check_block(block, fqn)
-    policies: list[Any] = (memory_budget_policies([b for _, b in blocks], float(memory_budget))
-                           if memory_budget is not None else [resolved] * len(blocks))
+    policies: list[Any] = (
+        memory_budget_policies([b for _, b in blocks], float(memory_budget),
+                               float(offload or 0.0))
+        if memory_budget is not None else [resolved] * len(blocks))
     for (_, block), block_policy in zip(blocks, policies):
         _wrap(block, block_policy, options)
