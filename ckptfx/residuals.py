@@ -201,6 +201,9 @@ def print_saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) ->
         else:
             total += storage[2]
             extra += storage[2]
+    if any(r.kind == "offloaded" and r.device.type == "cpu" for r, _ in listed):
+        print("on the CPU, offloaded residuals stay where they are (host memory already): "
+              "they take the memory they would if kept")
     if any(r.kind == "offloaded" for r, _ in listed):
         # torch's compiled checkpoint offloads only when asked (see ckptfx.lowering, Rule 4)
         print("offloaded residuals stay in device memory when the block runs inside "

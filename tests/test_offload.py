@@ -709,3 +709,23 @@ def test_torch_func_over_an_offloading_block_on_the_device_is_bitwise(transform:
         return grad(x, w, w2)
 
     assert_bitwise(list(run(block)), list(run(body)))
+
+
+@needs_accelerator
+def test_an_offloaded_output_the_caller_still_holds_is_read_there_not_reloaded() -> None:
+    device = _device()
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(B, D, generator=g).to(device).requires_grad_()
+    w = (torch.randn(D, D, generator=g) / 6).to(device).requires_grad_()
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x @ w
+        return y, torch.exp(y)  # exp saves its output; y is kept for the replay of exp's
+
+    expected = torch.autograd.grad(torch.exp(x @ w).sum(), [x, w])
+    y, e = ckptfx.remat(block, policy=_offload_matmuls(min_bytes=0))(x, w)
+    with _stream_log() as log:
+        got = torch.autograd.grad(e.sum(), [x, w])
+    assert not [entry for entry in log if entry[0] == "h2d" and entry[2] != 0]
+    assert_bitwise(got, expected)
+    del y

@@ -69,6 +69,10 @@ Rules
    the caller while it still holds it) is refused when the backward reads it, with a
    ``CheckpointError``, where autograd raises for a saved tensor modified in place; the host
    copy would still hold the saved value, but ckptfx does not differ from torch silently.
+9. A block output whose storage was offloaded (the block saved it, or a view of it) is read
+   where the caller still holds it, unmodified, when the backward needs it: it is in device
+   memory anyway, so it is not reloaded (its copy out was made before the block knew it
+   was an output).
 """
 
 from ckptfx.offload.compiled import offload_in_compile

@@ -208,6 +208,13 @@ class HostGroup:
                 "raises (\"one of the variables needed for gradient computation has been "
                 "modified by an inplace operation\"). Clone it before modifying it in place."
             )
+        if self.outputs:  # still held, unmodified, by the caller: read there (Rule 9)
+            held = self._held_output(index)
+            if held is not None and held.dtype is residual.dtype:
+                if not self.started:
+                    self._start()
+                with torch._C._DisableTorchDispatch():
+                    return held.as_strided(residual.shape, residual.stride, residual.offset)
         with self.lock:
             self._note_session()
             buf = buffers.device_copy(index)
@@ -255,10 +262,24 @@ class HostGroup:
         if start and not self.started:
             self._start()
 
+    def _held_output(self, index: int) -> torch.Tensor | None:
+        """A block output over buffer ``index``'s storage that the caller still holds, not
+        modified since the block returned, or None (Rule 9)."""
+        for ref, version, i in self.outputs:
+            if i == index:
+                t = ref()
+                if t is not None and t._version == version:
+                    return t
+        return None
+
     def _reload(self, indices: list[int] | None) -> None:
         buffers = self.buffers
         self.reloaded = True
-        buffers.reload(list(range(len(buffers.host))) if indices is None else indices)
+        if indices is None:
+            indices = [i for i in range(len(buffers.host))
+                       if not self.outputs or self._held_output(i) is None]
+        if indices:
+            buffers.reload(indices)
 
     def _start(self) -> None:
         """This block's backward began: reload the blocks it reaches next (Rule 5), unless
