@@ -837,3 +837,28 @@ def test_remat_hf_layer_under_compile_with_its_kv_cache_names_the_cache_and_the_
             loss.backward()
     finally:
         torch._dynamo.reset()
+
+
+def test_blocks_kept_in_a_module_dict_are_found_as_torchtitan_keeps_them() -> None:
+    from ckptfx.bench.blocks import MLPBlock
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): MLPBlock(8, 16) for i in range(3)})
+            self.head = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers.values():
+                x = layer(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Model()
+    assert ckptfx.integrations.find_blocks(model) == list(model.layers.values())
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    ckptfx.apply_activation_checkpointing(model)
+    got = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all("_ckptfx_options" in layer.__dict__ for layer in model.layers.values())

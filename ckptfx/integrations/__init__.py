@@ -228,8 +228,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     The first of these that finds any: Hugging Face ``GradientCheckpointingLayer``s; for a
     timm model, the modules of its ``blocks`` containers (``nn.Sequential`` or
     ``nn.ModuleList`` attributes named ``blocks``, as in ViT, Swin, ConvNeXt); else the
-    modules of the model's largest ``nn.ModuleList`` whose modules all have one type (the
-    first such list on a tie). A ``ValueError`` says what to pass when there is none.
+    modules of the model's largest ``nn.ModuleList`` or ``nn.ModuleDict`` (torchtitan keeps
+    its blocks in one) whose modules all have one type (the first such on a tie). A ``ValueError`` says what to pass when there is none.
 
     Example::
 
@@ -274,19 +274,27 @@ def _find_blocks(model: nn.Module) -> tuple[list[nn.Module], bool]:
         raise ValueError(
             f"apply_activation_checkpointing found no repeated blocks in "
             f"{type(model).__name__}: no Hugging Face GradientCheckpointingLayer, no timm "
-            f"'blocks', and no nn.ModuleList of modules of one type{seen}. Say which modules "
+            f"'blocks', and no nn.ModuleList or nn.ModuleDict of modules of one "
+            f"type{seen}. Say which modules "
             f"to checkpoint: check_fn=lambda m: isinstance(m, {example})"
         )
-    return list(best), True
+    return _members(best), True
 
 
-def _one_type_lists(model: nn.Module) -> list[nn.ModuleList]:
+def _members(container: nn.Module) -> list[nn.Module]:
+    """The modules of an ``nn.ModuleList`` or the values of an ``nn.ModuleDict``."""
+    return list(container.values() if isinstance(container, nn.ModuleDict) else container)
+
+
+def _one_type_lists(model: nn.Module) -> list[nn.Module]:
+    """The ``nn.ModuleList``s and ``nn.ModuleDict``s whose modules all have one type."""
     return [m for m in model.modules()
-            if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(b) for b in m}) == 1]
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 0
+            and len({type(b) for b in _members(m)}) == 1]
 
 
-def _largest_list(model: nn.Module) -> nn.ModuleList | None:
-    best: nn.ModuleList | None = None
+def _largest_list(model: nn.Module) -> nn.Module | None:
+    best: nn.Module | None = None
     for m in _one_type_lists(model):
         if best is None or len(m) > len(best):
             best = m
@@ -294,7 +302,7 @@ def _largest_list(model: nn.Module) -> nn.ModuleList | None:
 
 
 def _other_repeated_blocks(model: nn.Module, blocks: list[nn.Module]
-                           ) -> list[tuple[str, nn.ModuleList]]:
+                           ) -> list[tuple[str, list[nn.Module]]]:
     """The other lists of repeated blocks (two or more modules of one type that have
     submodules of their own) that ``blocks``, found by the largest-list rule, leave out
     (an encoder-decoder's second stack), with their names."""
@@ -303,10 +311,11 @@ def _other_repeated_blocks(model: nn.Module, blocks: list[nn.Module]
     names = {id(m): name for name, m in model.named_modules()}
     left = []
     for m in _one_type_lists(model):
+        members = _members(m)
         if (len(m) >= 2 and id(m) not in covered
                 and not any(id(b) in chosen for b in m.modules())  # not around the blocks
-                and next(iter(m[0].children()), None) is not None):
-            left.append((names.get(id(m), "?"), m))
+                and next(iter(members[0].children()), None) is not None):
+            left.append((names.get(id(m), "?"), members))
     return left
 
 
