@@ -50,7 +50,7 @@ import importlib
 import sys
 import types
 import warnings
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, Union
 
 from torch import nn
 
@@ -281,20 +281,25 @@ def _find_blocks(model: nn.Module) -> tuple[list[nn.Module], bool]:
     return _members(best), True
 
 
-def _members(container: nn.Module) -> list[nn.Module]:
+_Container = Union[nn.ModuleList, nn.ModuleDict]
+
+
+def _members(container: _Container) -> list[nn.Module]:
     """The modules of an ``nn.ModuleList`` or the values of an ``nn.ModuleDict``."""
-    return list(container.values() if isinstance(container, nn.ModuleDict) else container)
+    if isinstance(container, nn.ModuleDict):
+        return list(container.values())
+    return list(container)
 
 
-def _one_type_lists(model: nn.Module) -> list[nn.Module]:
+def _one_type_lists(model: nn.Module) -> list[_Container]:
     """The ``nn.ModuleList``s and ``nn.ModuleDict``s whose modules all have one type."""
     return [m for m in model.modules()
             if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 0
             and len({type(b) for b in _members(m)}) == 1]
 
 
-def _largest_list(model: nn.Module) -> nn.Module | None:
-    best: nn.Module | None = None
+def _largest_list(model: nn.Module) -> _Container | None:
+    best: _Container | None = None
     for m in _one_type_lists(model):
         if best is None or len(m) > len(best):
             best = m
