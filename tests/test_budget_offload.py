@@ -26,7 +26,7 @@ from ckptfx.budget.planner import _plans, placement_of
 from ckptfx.policies.budget_policy import MemoryBudget
 from ckptfx.policies.tracer_stack import tracer_stack
 
-from conftest import assert_bitwise, grads, maybe_autocast
+from conftest import assert_bitwise, grads, maybe_autocast, settle_device_threads
 from models import TransformerBlock
 
 pytestmark = pytest.mark.usefixtures("no_hooks_left_behind")
@@ -72,12 +72,17 @@ def kept(fn: Callable[..., Any], x: torch.Tensor, amp: bool) -> tuple[int, int]:
 def allocated_between(fn: Callable[..., Any], x: torch.Tensor, amp: bool) -> int:
     """Accelerator memory held between forward and backward beyond the output (measured by
     the device's allocator: an offloaded value's device memory is gone)."""
+    settle_device_threads()  # an earlier backward's graph is freed now, not while measuring
     gc.collect()
-    before = torch.accelerator.memory_allocated()
-    torch.manual_seed(7)
-    with maybe_autocast(amp, x.device):
-        out = fn(x)
-    held = torch.accelerator.memory_allocated() - before - out.untyped_storage().nbytes()
+    gc.disable()  # nor is other garbage
+    try:
+        before = torch.accelerator.memory_allocated()
+        torch.manual_seed(7)
+        with maybe_autocast(amp, x.device):
+            out = fn(x)
+        held = torch.accelerator.memory_allocated() - before - out.untyped_storage().nbytes()
+    finally:
+        gc.enable()
     out.float().sum().backward()
     return held
 

@@ -21,7 +21,8 @@ import ckptfx
 from ckptfx import checkpoint_policies as cp
 from ckptfx.offload import HostGroup, HostResidual
 from ckptfx.offload.pool import HostPool, size_class
-from conftest import ACCELERATOR, assert_bitwise, maybe_autocast, needs_accelerator
+from conftest import (ACCELERATOR, assert_bitwise, maybe_autocast, needs_accelerator,
+                      settle_device_threads)
 
 B, D = 8, 32
 WIDTHS = (64, 128, 192)  # one hidden width per block: a reload's bytes name its block
@@ -181,6 +182,7 @@ def test_copies_to_the_host_run_on_a_side_stream_and_never_wait_on_the_host() ->
 def test_device_memory_of_offloaded_values_is_freed_between_forward_and_backward() -> None:
     device = _device()
     x, ws = _input(device), _weights(device)
+    settle_device_threads()  # an earlier backward's graph is freed now, not while measuring
     gc.collect()
     gc.disable()  # no other test's garbage freed inside the measured forwards
     try:
@@ -461,6 +463,7 @@ def test_no_buffer_or_event_outlives_the_step_and_the_next_step_reuses_the_buffe
 def test_a_dropped_graph_frees_host_and_device_memory() -> None:
     device = _device()
     x, ws = _input(device), _weights(device)
+    settle_device_threads()
     gc.collect()
     base = torch.accelerator.memory_allocated(device)
     pool = ckptfx.offload_pool_stats().in_use_bytes
