@@ -503,6 +503,12 @@ def test_host_memory_that_cannot_be_had_is_a_clear_error_leaving_no_state(
 # -- bad input --------------------------------------------------------------------------------
 
 
+def test_a_host_memory_kind_given_as_src_points_at_dst() -> None:
+    with pytest.raises(ValueError, match=r"the host memory is dst, the second argument: "
+                                         r"Offload\(dst='pinned_host'\)"):
+        ckptfx.Offload("pinned_host")
+
+
 @pytest.mark.parametrize("field, value, error", [
     ("min_bytes", -1, ValueError), ("min_bytes", 1.5, TypeError), ("prefetch", -2, ValueError),
     ("prefetch", "1", TypeError), ("prefetch", True, TypeError)])

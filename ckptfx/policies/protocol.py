@@ -73,8 +73,10 @@ class Offload:
             if value < 0:
                 raise ValueError(f"Offload: {name} must be an int >= 0, got {value!r}")
         if self.src != "device":
+            hint = (f" (the host memory is dst, the second argument: Offload(dst={self.src!r}))"
+                    if self.src in ("pinned_host", "cpu") else "")
             raise ValueError(f"src (offload_src in the policy factories) must be 'device', "
-                             f"got {self.src!r}")
+                             f"got {self.src!r}{hint}")
         if self.dst not in ("pinned_host", "cpu"):
             raise ValueError(f"dst (offload_dst in the policy factories) must be "
                              f"'pinned_host' or 'cpu', got {self.dst!r}")
