@@ -53,8 +53,10 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _step_fn(blocks: torch.nn.ModuleList, x: torch.Tensor, variant: str
-             ) -> Callable[[], list[torch.Tensor]]:
+def _step_fn(blocks: torch.nn.ModuleList, x: torch.Tensor, variant: str,
+             between: Callable[[], None] | None = None) -> Callable[[], list[torch.Tensor]]:
+    """One training step of ``variant`` (fresh remat'd blocks); ``between`` runs after the
+    forward, before the backward."""
     policy, serial = VARIANTS[variant]
     calls = [b if variant == "none" else ckptfx.remat(b, policy=policy) for b in blocks]
     params = [p for b in blocks for p in b.parameters()]
@@ -64,6 +66,8 @@ def _step_fn(blocks: torch.nn.ModuleList, x: torch.Tensor, variant: str
             h = x
             for call in calls:
                 h = call(h)
+        if between is not None:
+            between()
         return list(torch.autograd.grad(h.float().square().mean(), params))
     return step
 
@@ -90,19 +94,12 @@ def measure(device: torch.device, d: int, seq: int, batch: int, blocks: int, rou
             torch.accelerator.reset_peak_memory_stats(device)
         host, after = [0], [0]
 
-        def forward_then_backward() -> None:
-            policy, serial = VARIANTS[v]
-            calls = [b if v == "none" else ckptfx.remat(b, policy=policy) for b in stack]
-            with serialized_copies() if serial else contextlib.nullcontext():
-                h = x
-                for call in calls:
-                    h = call(h)
+        def note_forward() -> None:
             host[0] = ckptfx.offload_pool_stats().in_use_bytes
             _sync(device)
             after[0] = (torch.accelerator.memory_allocated(device) - base
                         if device.type != "cpu" else 0)
-            torch.autograd.grad(h.float().square().mean(), list(stack.parameters()))
-        forward_then_backward()
+        _step_fn(stack, x, v, between=note_forward)()
         _sync(device)
         peak = (torch.accelerator.max_memory_allocated(device) - base
                 if device.type != "cpu" else None)
