@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fake_device
+from conftest import settle_device_threads
 
 pytestmark = pytest.mark.skipif(not fake_device.available(),
                                 reason=fake_device.UNAVAILABLE or "fake device not registered")
@@ -117,6 +118,7 @@ def test_pinned_host_memory_and_streams_and_events() -> None:
 
 
 def test_memory_is_counted_per_device() -> None:
+    settle_device_threads()  # an earlier backward's graph is freed now, not while counting
     before = torch.fakeacc.memory_allocated(1)
     torch.fakeacc.reset_peak_memory_stats(1)
     x = torch.empty(1024, device=f"{fake_device.NAME}:1")
@@ -129,6 +131,7 @@ def test_memory_is_counted_per_device() -> None:
 def test_torch_accelerator_memory_api_reads_the_fake_devices_counts() -> None:
     """Libraries call torch.accelerator's memory API on whatever device there is
     (accelerate empties the cache between steps): the fake device's allocator answers it."""
+    settle_device_threads()  # an earlier backward's graph is freed now, not while counting
     torch.accelerator.empty_cache()
     before = torch.accelerator.memory_allocated()
     x = torch.empty(1000, device=DEV)
